@@ -1,0 +1,1 @@
+"""Models: the Qwen3 target and the drafters."""

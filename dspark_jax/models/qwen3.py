@@ -1,0 +1,604 @@
+"""The Qwen3 decoder (target model) in Flax Linen.
+
+Architecture (DESIGN §3.1): token embedding; per layer RMSNorm -> attention (q/k/v/o
+projections, per-head RMSNorm on q and k, RoPE, grouped-query attention) -> residual ->
+RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; tied or untied LM head.
+
+Three fixed-shape modes share one set of parameters:
+
+* ``__call__`` / ``forward``: full sequence (training, scoring). Attention is causal and
+  restricted to equal ``segment_ids`` so packed documents never see each other.
+* ``prefill``: the full-sequence forward that also writes each row's keys/values into a
+  preallocated KV cache slot (positions ``0 .. length-1``).
+* ``decode``: a cached forward over new tokens at per-row positions. Every row belongs to
+  one cache slot; new keys/values are scattered into the cache first, then each query
+  attends to its slot's cache at positions ``<= its own``. Rows of the same slot may be
+  split over several rows (the packed verify buffer uses ``[N, 1]`` rows), so verify
+  compute for projections/MLP/head scales with the number of packed tokens.
+
+The cache is never stored in the module: it is passed in and returned. Layers are stacked
+with ``nn.scan`` so compile time does not grow with depth. Any forward can return the
+hidden states of chosen "tap" layers: tap id ``l`` is the output of decoder layer ``l``
+(Hugging Face ``hidden_states[l + 1]``), the DFlash/DeepSpec convention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Qwen3 hyper-parameters. Field names follow the Hugging Face ``config.json``."""
+
+    vocab_size: int = 151936
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = True
+    # Computation / storage precision (not part of the HF architecture).
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    # Special token ids (informational; the tokenizer is the source of truth).
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self):
+        problems = []
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if not problems and self.num_attention_heads % self.num_key_value_heads != 0:
+            problems.append(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention"
+            )
+        if self.head_dim % 2:
+            problems.append(f"head_dim must be even for RoPE, got {self.head_dim}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                problems.append(
+                    f"{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}"
+                )
+        if problems:
+            raise ValueError("Invalid Qwen3Config: " + "; ".join(problems))
+
+    # -- conveniences -------------------------------------------------------------------
+    @property
+    def compute_dtype(self):
+        return _DTYPES[self.dtype]
+
+    @property
+    def weight_dtype(self):
+        return _DTYPES[self.param_dtype]
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers
+
+    def replace(self, **kwargs) -> Qwen3Config:
+        return dataclasses.replace(self, **kwargs)
+
+    def num_params(self) -> int:
+        d, f, v, h = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        attn = d * h * (self.num_attention_heads * 2 + self.num_key_value_heads * 2) + 2 * h
+        per_layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else v * d
+        return v * d + self.num_hidden_layers * per_layer + d + head
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Qwen3Config:
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(
+                f"Unknown Qwen3Config key(s) {unknown}; allowed keys: {cls.field_names()}"
+            )
+        return cls(**values)
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> Qwen3Config:
+        """Build from a Hugging Face ``config.json`` dict (unknown HF keys are ignored)."""
+        archs = hf.get("architectures") or []
+        model_type = hf.get("model_type")
+        if model_type != "qwen3" and "Qwen3ForCausalLM" not in archs:
+            raise ValueError(
+                "Unsupported architecture: expected model_type 'qwen3' / Qwen3ForCausalLM, "
+                f"got model_type={model_type!r}, architectures={archs!r}"
+            )
+        if hf.get("attention_bias"):
+            raise ValueError("Unsupported Qwen3 variant: attention_bias=true")
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None:  # transformers >= 5 nests it under rope_parameters
+            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+        kw = {
+            name: hf[name]
+            for name in cls.field_names()
+            if name in hf and name not in ("dtype", "param_dtype", "rope_theta")
+        }
+        kw["rope_theta"] = float(rope_theta)
+        if kw.get("head_dim") is None:
+            kw["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
+        return cls(**kw)
+
+    def to_hf_dict(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": self.num_hidden_layers,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": torch_dtype,
+            "initializer_range": 0.02,
+            "use_cache": True,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+# ----------------------------------------------------------------------------------------
+# KV cache
+# ----------------------------------------------------------------------------------------
+
+
+class KVCache(NamedTuple):
+    """Preallocated cache, ``k``/``v``: ``[layers, slots, max_len, kv_heads, head_dim]``."""
+
+    k: Array
+    v: Array
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(config: Qwen3Config, num_slots: int, max_len: int, dtype=None) -> KVCache:
+    if max_len > config.max_position_embeddings:
+        raise ValueError(
+            f"KV cache max_len {max_len} exceeds the model's max_position_embeddings "
+            f"{config.max_position_embeddings}"
+        )
+    shape = (
+        config.num_hidden_layers,
+        num_slots,
+        max_len,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
+    dtype = dtype or config.compute_dtype
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+# ----------------------------------------------------------------------------------------
+# Building blocks (shared with the drafters)
+# ----------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, scale initialised to one (HF ``Qwen3RMSNorm``)."""
+
+    eps: float = 1e-6
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    axis_name: str = "norm"
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+            (x.shape[-1],),
+            self.param_dtype,
+        )
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (scale.astype(jnp.float32) * y).astype(self.dtype)
+
+
+def rope_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+    """cos/sin of shape ``positions.shape + [head_dim]`` (HF "rotate half" layout)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate ``x [..., T, heads, head_dim]`` with tables ``[..., T, head_dim]``."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    out = xf * cos[..., None, :] + rotated * sin[..., None, :]
+    return out.astype(x.dtype)
+
+
+class Projection(nn.Module):
+    """A bias-free linear map contracting the last ``len(in_axes)`` input dims.
+
+    The kernel has shape ``in_shape + features`` and carries logical axis names
+    ``in_axes + out_axes`` (built directly in that shape so the names always match).
+    """
+
+    features: tuple[int, ...]
+    in_axes: tuple[str, ...]
+    out_axes: tuple[str, ...]
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    init_scale: float = 0.02
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        n_in = len(self.in_axes)
+        shape = tuple(x.shape[-n_in:]) + tuple(self.features)
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(
+                nn.initializers.normal(self.init_scale), self.in_axes + self.out_axes
+            ),
+            shape,
+            self.param_dtype,
+        )
+        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+        return jax.lax.dot_general(
+            x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ()))
+        )
+
+
+def _dense(features, in_axis_names, out_axis_names, name, cfg: Qwen3Config):
+    features = features if isinstance(features, tuple) else (features,)
+    return Projection(
+        features=features,
+        in_axes=tuple(in_axis_names),
+        out_axes=tuple(out_axis_names),
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.weight_dtype,
+        name=name,
+    )
+
+
+class SelfAttention(nn.Module):
+    """Qwen3 attention projections: q/k/v with per-head RMSNorm on q and k, and o.
+
+    The attention itself differs per mode (and per drafter), so this module only owns the
+    parameters: ``project`` maps hidden states to (q, k, v) before RoPE, ``output`` maps
+    attention results back to the model width.
+    """
+
+    config: Qwen3Config
+
+    def setup(self):
+        cfg = self.config
+        hd = cfg.head_dim
+        self.q_proj = _dense(
+            (cfg.num_attention_heads, hd), ("embed",), ("q_heads", "kv"), "q_proj", cfg
+        )
+        self.k_proj = _dense(
+            (cfg.num_key_value_heads, hd), ("embed",), ("kv_heads", "kv"), "k_proj", cfg
+        )
+        self.v_proj = _dense(
+            (cfg.num_key_value_heads, hd), ("embed",), ("kv_heads", "kv"), "v_proj", cfg
+        )
+        norm_kw = dict(eps=cfg.rms_norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)
+        self.q_norm = RMSNorm(axis_name="kv", **norm_kw)
+        self.k_norm = RMSNorm(axis_name="kv", **norm_kw)
+        self.o_proj = _dense(cfg.hidden_size, ("q_heads", "kv"), ("embed",), "o_proj", cfg)
+
+    def project(self, x: Array) -> tuple[Array, Array, Array]:
+        return self.q_norm(self.q_proj(x)), self.k_norm(self.k_proj(x)), self.v_proj(x)
+
+    def kv(self, x: Array) -> tuple[Array, Array]:
+        """Keys (normed, before RoPE) and values only: used for drafter context injection."""
+        return self.k_norm(self.k_proj(x)), self.v_proj(x)
+
+    def output(self, attn: Array) -> Array:
+        return self.o_proj(attn)
+
+
+def grouped_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """Softmax attention with grouped KV heads.
+
+    q: ``[B, T, H, D]``; k, v: ``[B, S, KV, D]``; mask: ``[B, T, S]`` (True = may attend).
+    Returns ``[B, T, H, D]``. Scores and softmax in float32.
+    """
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (d**-0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, d)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    config: Qwen3Config
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        gate = _dense(cfg.intermediate_size, ("embed",), ("mlp",), "gate_proj", cfg)(x)
+        up = _dense(cfg.intermediate_size, ("embed",), ("mlp",), "up_proj", cfg)(x)
+        hidden = nn.with_logical_constraint(
+            nn.silu(gate) * up, ("activation_batch", "activation_length", "activation_mlp")
+        )
+        return _dense(cfg.hidden_size, ("mlp",), ("embed",), "down_proj", cfg)(hidden)
+
+
+ACT_AXES = ("activation_batch", "activation_length", "activation_embed")
+
+
+class DecoderLayer(nn.Module):
+    """One Qwen3 decoder layer, written as a ``nn.scan`` body.
+
+    ``carry = (hidden [B,T,d], tap_buffer [m,B,T,d] or None, layer_index)``;
+    ``layer_cache = (k, v)`` slices ``[S, M, KV, D]`` of this layer (or ``None``);
+    ``ctx`` holds the mode inputs broadcast to every layer.
+    """
+
+    config: Qwen3Config
+    mode: str = "full"  # "full" | "prefill" | "decode"
+    tap_index: tuple[int, ...] = ()  # per layer: slot in the tap buffer or -1
+
+    @nn.compact
+    def __call__(self, carry, layer_cache, ctx):
+        cfg = self.config
+        h, taps, layer_idx = carry
+        norm_kw = dict(eps=cfg.rms_norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)
+
+        x = RMSNorm(name="input_layernorm", **norm_kw)(h)
+        attention = SelfAttention(cfg, name="self_attn")
+        q, k, v = attention.project(x)
+        cos, sin = rope_tables(ctx["positions"], cfg.head_dim, cfg.rope_theta)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+
+        new_cache = layer_cache
+        if self.mode in ("full", "prefill"):
+            seg = ctx["segment_ids"]
+            t = h.shape[1]
+            causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+            mask = causal[None] & (seg[:, :, None] == seg[:, None, :])
+            attn = grouped_attention(q, k, v, mask)
+            if self.mode == "prefill":
+                new_cache = _scatter_kv(layer_cache, k, v, ctx["slots"], ctx["write_positions"])
+        else:  # decode: write first, then read the slot's cache
+            ck, cv = _scatter_kv(layer_cache, k, v, ctx["slots"], ctx["write_positions"])
+            new_cache = (ck, cv)
+            keys = ck[ctx["slots"]]  # [B, M, KV, D]
+            values = cv[ctx["slots"]]
+            m = keys.shape[1]
+            mask = jnp.arange(m)[None, None, :] <= ctx["positions"][:, :, None]
+            attn = grouped_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask)
+
+        o = attention.output(attn)
+        h = h + o
+        h = h + MLP(cfg, name="mlp")(RMSNorm(name="post_attention_layernorm", **norm_kw)(h))
+        h = nn.with_logical_constraint(h, ACT_AXES)
+
+        if taps is not None:
+            table = jnp.asarray(self.tap_index, jnp.int32)
+            slot = table[layer_idx]
+            idx = jnp.maximum(slot, 0)
+            taps = taps.at[idx].set(jnp.where(slot >= 0, h.astype(taps.dtype), taps[idx]))
+        return (h, taps, layer_idx + 1), new_cache
+
+
+def _scatter_kv(layer_cache, k, v, slots, write_positions):
+    """Write ``k, v [B, T, KV, D]`` at ``(slots[b], write_positions[b, t])``.
+
+    Positions ``>= max_len`` (used to mark tokens that must not be written) are dropped.
+    """
+    ck, cv = layer_cache
+    b, t = write_positions.shape
+    rows = jnp.broadcast_to(slots[:, None], (b, t))
+    ck = ck.at[rows, write_positions].set(k.astype(ck.dtype), mode="drop")
+    cv = cv.at[rows, write_positions].set(v.astype(cv.dtype), mode="drop")
+    return ck, cv
+
+
+class Qwen3(nn.Module):
+    """The Qwen3 causal LM. ``apply({"params": p}, tokens)`` returns logits ``[B, T, V]``."""
+
+    config: Qwen3Config
+
+    def setup(self):
+        cfg = self.config
+        self.embed_tokens = nn.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=cfg.compute_dtype,
+            param_dtype=cfg.weight_dtype,
+            embedding_init=nn.with_logical_partitioning(
+                nn.initializers.normal(0.02), ("vocab", "embed")
+            ),
+        )
+        self.norm = RMSNorm(
+            eps=cfg.rms_norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype
+        )
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _dense(cfg.vocab_size, ("embed",), ("vocab",), "lm_head", cfg)
+        self.layers = _ScannedLayers(cfg)
+
+    # -- pieces -----------------------------------------------------------------------
+    def embed(self, tokens: Array) -> Array:
+        h = self.embed_tokens(tokens)
+        return nn.with_logical_constraint(h, ACT_AXES)
+
+    def logits_from_hidden(self, h: Array) -> Array:
+        """LM head over already-normed hidden states ``[..., d]``; float32 logits."""
+        if self.config.tie_word_embeddings:
+            logits = self.embed_tokens.attend(h)
+        else:
+            logits = self.lm_head(h)
+        return logits.astype(jnp.float32)
+
+    # -- modes ------------------------------------------------------------------------
+    def __call__(
+        self,
+        tokens: Array,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        taps: tuple[int, ...] | None = None,
+    ):
+        """Full-sequence forward. Returns logits, or ``(logits, taps [m,B,T,d])``."""
+        h, tap_states = self.hidden_states(tokens, positions, segment_ids, taps)
+        logits = self.logits_from_hidden(h)
+        return logits if taps is None else (logits, tap_states)
+
+    def hidden_states(self, tokens, positions=None, segment_ids=None, taps=None):
+        """Final-normed hidden states ``[B,T,d]`` and tap states (no LM head)."""
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, t), jnp.int32)
+        ctx = {"positions": positions, "segment_ids": segment_ids}
+        h, tap_states, _ = self.layers(self.embed(tokens), None, ctx, taps, "full")
+        return self.norm(h), tap_states
+
+    def prefill(
+        self,
+        tokens: Array,
+        lengths: Array,
+        slots: Array,
+        cache: KVCache,
+        taps: tuple[int, ...] | None = None,
+    ):
+        """Causal forward over prompts ``[B,T]`` (left-aligned) writing K/V into slots.
+
+        Row ``b`` goes to cache slot ``slots[b]`` at positions ``0 .. lengths[b]-1``;
+        padding beyond ``lengths[b]`` is not written. Returns ``(logits, cache, taps)``.
+        """
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        write = jnp.where(positions < lengths[:, None], positions, cache.max_len)
+        ctx = {
+            "positions": positions,
+            "segment_ids": jnp.ones((b, t), jnp.int32),
+            "slots": slots,
+            "write_positions": write,
+        }
+        h, tap_states, new_cache = self.layers(self.embed(tokens), cache, ctx, taps, "prefill")
+        logits = self.logits_from_hidden(self.norm(h))
+        return logits, new_cache, tap_states
+
+    def decode(
+        self,
+        tokens: Array,
+        positions: Array,
+        slots: Array,
+        cache: KVCache,
+        valid: Array | None = None,
+        taps: tuple[int, ...] | None = None,
+        return_hidden: bool = False,
+    ):
+        """Cached forward over new tokens ``[B,T]`` of rows belonging to ``slots [B]``.
+
+        Token ``(b, t)`` sits at absolute position ``positions[b, t]`` of slot ``slots[b]``
+        and sees that slot's cache at positions ``<= positions[b, t]`` (so everything up
+        to it must be committed or written in this call). Tokens with ``valid`` False are
+        not written to the cache and their outputs are meaningless. Returns
+        ``(logits, cache, taps)`` or, with ``return_hidden``, ``(hidden, cache, taps)``.
+        """
+        if valid is None:
+            valid = jnp.ones(tokens.shape, bool)
+        write = jnp.where(valid & (positions < cache.max_len), positions, cache.max_len)
+        ctx = {
+            "positions": positions,
+            "slots": slots,
+            "write_positions": write,
+        }
+        h, tap_states, new_cache = self.layers(self.embed(tokens), cache, ctx, taps, "decode")
+        h = self.norm(h)
+        out = h if return_hidden else self.logits_from_hidden(h)
+        return out, new_cache, tap_states
+
+
+class _ScannedLayers(nn.Module):
+    """All decoder layers under one ``nn.scan`` (parameters stacked on a "layers" axis)."""
+
+    config: Qwen3Config
+
+    @nn.compact
+    def __call__(self, h, cache, ctx, taps, mode):
+        cfg = self.config
+        n = cfg.num_hidden_layers
+        tap_index = [-1] * n
+        tap_buffer = None
+        if taps:
+            for i, layer in enumerate(taps):
+                if not 0 <= layer < n - 1:
+                    raise ValueError(
+                        f"tap layer {layer} is out of range: taps must be in [0, {n - 2}] "
+                        f"for a {n}-layer model (the last layer may not be tapped)"
+                    )
+                tap_index[layer] = i
+            tap_buffer = jnp.zeros((len(taps),) + h.shape, h.dtype)
+        scan = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast),
+            length=n,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        layer_cache = None if cache is None else (cache.k, cache.v)
+        stack = scan(cfg, mode=mode, tap_index=tuple(tap_index), name="layer")
+        (h, tap_buffer, _), new_cache = stack((h, tap_buffer, jnp.int32(0)), layer_cache, ctx)
+        if cache is not None:
+            new_cache = KVCache(*new_cache)
+        return h, tap_buffer, new_cache

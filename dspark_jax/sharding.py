@@ -1,0 +1,191 @@
+"""Device mesh, the one logical-axis rules table, and helpers to place params and batches.
+
+Mesh axes (DESIGN §4): ``data`` (pure data parallelism), ``fsdp`` (data parallelism whose
+parameters and optimizer state are sharded too), ``tensor`` (Megatron-style: heads, MLP
+width and vocabulary split across devices). Every parameter and the main activations carry
+logical axis names; ``LOGICAL_RULES`` is the single place that maps them to mesh axes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# Logical name -> mesh axis (or tuple of axes, or None = replicated).
+LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
+    # parameters
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("kv", None),
+    ("norm", None),
+    ("layers", None),
+    ("rank", None),  # low-rank sequential-head factors
+    ("taps", None),
+    # activations
+    ("activation_batch", BATCH_AXES),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_mlp", "tensor"),
+    ("activation_heads", "tensor"),
+    ("activation_vocab", "tensor"),
+    # caches
+    ("cache_layers", None),
+    ("cache_slots", BATCH_AXES),
+    ("cache_length", None),
+    ("cache_kv_heads", "tensor"),
+)
+
+
+def make_mesh(
+    data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[Any] | None = None
+) -> Mesh:
+    """A ``(data, fsdp, tensor)`` mesh with Auto axis types; one size may be -1 (fill)."""
+    devices = list(devices) if devices is not None else jax.devices()
+    n = len(devices)
+    sizes = [data, fsdp, tensor]
+    if sum(s == -1 for s in sizes) > 1:
+        raise ValueError(
+            f"At most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}"
+        )
+    if any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"Mesh axis sizes must be positive or -1, got {sizes}")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if n % known:
+            raise ValueError(f"Cannot fill mesh {sizes} over {n} devices: {n} % {known} != 0")
+        sizes[sizes.index(-1)] = n // known
+    if math.prod(sizes) != n:
+        raise ValueError(
+            f"Mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = {math.prod(sizes)} "
+            f"devices, but {n} are available"
+        )
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def mesh_from_config(mesh_cfg) -> Mesh:
+    return make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
+
+
+def _axis_size(mesh: Mesh, axis) -> int:
+    if axis is None:
+        return 1
+    if isinstance(axis, str):
+        return mesh.shape[axis]
+    return math.prod(mesh.shape[a] for a in axis)
+
+
+def logical_to_spec(
+    names: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | None = None
+) -> PartitionSpec:
+    """Map logical axis names to a ``PartitionSpec`` with ``LOGICAL_RULES``.
+
+    When ``shape`` and ``mesh`` are given, a dimension that the mesh axes do not divide
+    is replicated instead (e.g. 2 KV heads on a 4-way tensor axis), and a mesh axis is
+    used at most once per array.
+    """
+    rules = dict(LOGICAL_RULES)
+    used: set[str] = set()
+    spec = []
+    for i, name in enumerate(names):
+        if name is not None and name not in rules:
+            raise ValueError(
+                f"Logical axis {name!r} has no entry in LOGICAL_RULES; known: {sorted(rules)}"
+            )
+        axis = rules.get(name) if name is not None else None
+        members = () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+        if any(m in used for m in members):
+            axis = None
+        elif mesh is not None:
+            members = tuple(m for m in members if m in mesh.shape)
+            axis = None if not members else (members[0] if len(members) == 1 else members)
+            if shape is not None and shape[i] % _axis_size(mesh, axis):
+                axis = None
+        if axis is not None:
+            used.update((axis,) if isinstance(axis, str) else axis)
+        spec.append(axis)
+    return PartitionSpec(*spec)
+
+
+def _is_boxed(x) -> bool:
+    return isinstance(x, nn.Partitioned)
+
+
+def param_shardings(boxed_params, mesh: Mesh):
+    """``NamedSharding`` tree for a (possibly abstract) tree of ``nn.Partitioned`` leaves.
+
+    Leaves that are not boxed (no logical names) are replicated.
+    """
+
+    def one(leaf):
+        if _is_boxed(leaf):
+            spec = logical_to_spec(leaf.names, leaf.value.shape, mesh)
+        else:
+            spec = PartitionSpec()
+        return NamedSharding(mesh, spec)
+
+    return jax.tree.map(one, boxed_params, is_leaf=_is_boxed)
+
+
+def shard_params(boxed_params, mesh: Mesh):
+    """Place a boxed parameter tree on ``mesh`` and return the plain (unboxed) tree."""
+    shardings = param_shardings(boxed_params, mesh)
+    plain = nn.unbox(boxed_params)
+    return jax.tree.map(jax.device_put, plain, shardings)
+
+
+def logical_names_of(boxed_params):
+    """The logical axis names of every leaf (``None`` for unboxed leaves)."""
+    return jax.tree.map(
+        lambda x: tuple(x.names) if _is_boxed(x) else None, boxed_params, is_leaf=_is_boxed
+    )
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Shard the leading (batch) dimension over ``data`` x ``fsdp``; replicate the rest."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def place_batch(batch, mesh: Mesh):
+    """Put a host batch (tree of numpy arrays, leading dim = global batch) on the mesh."""
+
+    def one(x):
+        x = np.asarray(x)
+        n = _axis_size(mesh, BATCH_AXES)
+        if x.shape[0] % n:
+            raise ValueError(
+                f"Global batch size {x.shape[0]} is not divisible by the data-parallel "
+                f"degree data x fsdp = {n}"
+            )
+        return jax.device_put(x, batch_sharding(mesh, x.ndim))
+
+    return jax.tree.map(one, batch)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def rules_context(mesh: Mesh):
+    """Context under which ``nn.with_logical_constraint`` resolves with our rules."""
+    return nn.logical_axis_rules(_rules_for_mesh(mesh))
+
+
+def _rules_for_mesh(mesh: Mesh):
+    out = []
+    for name, axis in LOGICAL_RULES:
+        members = () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+        members = tuple(m for m in members if m in mesh.shape and mesh.shape[m] > 1)
+        out.append((name, None if not members else (members[0] if len(members) == 1 else members)))
+    return tuple(out)
