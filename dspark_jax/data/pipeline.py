@@ -1,0 +1,96 @@
+"""text -> tokenize -> pack -> batch, as one checkpointable grain pipeline.
+
+``MapDataset`` (array_record records, strided host shard, per-epoch shuffle, repeat,
+tokenise) -> ``to_iter_dataset`` -> :class:`PackedSequenceIterDataset` -> ``batch``. The
+returned ``DatasetIterator`` has ``get_state()/set_state()``; the state is a small
+JSON-serialisable dict (record index + offset into the current document), so it can be
+saved with the training checkpoint and restored to continue with exactly the same batches.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import grain
+import numpy as np
+
+from dspark_jax.data.corpus import make_text_dataset
+from dspark_jax.data.packing import PackedSequenceIterDataset, pad_batch
+from dspark_jax.tokenizer import Tokenizer
+
+
+def _tokenize(record: dict, *, tokenizer: Tokenizer) -> np.ndarray:
+    return np.asarray(tokenizer.encode(record["text"]), dtype=np.int32)
+
+
+def make_packed_dataset(
+    data_dir: str | os.PathLike,
+    split: str,
+    tokenizer: Tokenizer | str | os.PathLike,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    shard_index: int = 0,
+    shard_count: int = 1,
+    num_epochs: int | None = None,
+    *,
+    shuffle: bool = True,
+    name: str | None = None,
+    num_threads: int = 2,
+) -> grain.IterDataset:
+    """The packed-batch ``IterDataset`` (``iter()`` it for a fresh iterator).
+
+    ``num_epochs=None`` repeats forever (reshuffled every epoch); a finite value ends with
+    a final batch padded to ``batch_size`` rows of padding, so every batch has the same
+    shape ``[batch_size, seq_len]``.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if num_epochs is not None and num_epochs < 1:
+        raise ValueError(f"num_epochs must be None (forever) or >= 1, got {num_epochs}")
+    if not isinstance(tokenizer, Tokenizer):
+        tokenizer = Tokenizer(tokenizer)
+    ds = make_text_dataset(
+        data_dir, split, seed=seed, shuffle=shuffle, shard_index=shard_index,
+        shard_count=shard_count, name=name,
+    )  # fmt: skip
+    if num_epochs != 1:
+        ds = ds.repeat(num_epochs)
+    ds = ds.map(functools.partial(_tokenize, tokenizer=tokenizer))
+    # A few threads overlap record reads and tokenisation; grain keeps the order, so the
+    # output does not depend on num_threads.
+    it = ds.to_iter_dataset(
+        grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=4 * batch_size)
+    )
+    packed = PackedSequenceIterDataset(
+        it, seq_len=seq_len, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id
+    )
+    batched = packed.batch(batch_size, drop_remainder=False)
+    return batched.map(functools.partial(pad_batch, batch_size=batch_size, pad_id=tokenizer.pad_id))
+
+
+def make_packed_batches(
+    data_dir: str | os.PathLike,
+    split: str,
+    tokenizer: Tokenizer | str | os.PathLike,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    shard_index: int = 0,
+    shard_count: int = 1,
+    num_epochs: int | None = None,
+    **kwargs,
+) -> grain.DatasetIterator:
+    """Iterator of ``{"tokens", "targets", "segment_ids", "positions", "loss_mask"}``, each
+    ``int32 [batch_size, seq_len]`` (layout in :mod:`dspark_jax.data.packing`).
+
+    Deterministic given ``seed``; ``shard_index/shard_count`` select this host's disjoint
+    share of the records (e.g. ``jax.process_index()/jax.process_count()``).
+    """
+    return iter(
+        make_packed_dataset(
+            data_dir, split, tokenizer, seq_len, batch_size, seed,
+            shard_index, shard_count, num_epochs, **kwargs,
+        )
+    )  # fmt: skip

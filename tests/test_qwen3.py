@@ -1,0 +1,204 @@
+"""Qwen3 model: cached decoding equals the full forward, taps, scan, and error paths."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.models.presets import PRESETS
+from dspark_jax.models.qwen3 import Qwen3, Qwen3Config, init_cache
+
+CFG = PRESETS["tiny"]
+
+
+@pytest.fixture(scope="module")
+def model_and_params():
+    model = Qwen3(CFG)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
+    return model, params
+
+
+def _tokens(batch, length, seed=1):
+    return jax.random.randint(jax.random.key(seed), (batch, length), 0, CFG.vocab_size)
+
+
+def test_layers_are_stacked(model_and_params):
+    _, params = model_and_params
+    kernel = params["layers"]["layer"]["mlp"]["gate_proj"]["kernel"]
+    assert kernel.shape == (CFG.num_hidden_layers, CFG.hidden_size, CFG.intermediate_size)
+
+
+def test_token_by_token_cache_matches_full_forward(model_and_params):
+    model, params = model_and_params
+    tokens = _tokens(2, 12)
+    full = model.apply({"params": params}, tokens)
+    cache = init_cache(CFG, num_slots=3, max_len=16)
+    slots = jnp.array([2, 0])
+    decode = jax.jit(
+        lambda p, t, pos, c: model.apply({"params": p}, t, pos, slots, c, method=Qwen3.decode)
+    )
+    for t in range(12):
+        logits, cache, _ = decode(params, tokens[:, t : t + 1], jnp.full((2, 1), t), cache)
+        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_decode_with_slots_at_different_lengths(model_and_params):
+    model, params = model_and_params
+    tokens = _tokens(3, 14, seed=2)
+    full = model.apply({"params": params}, tokens)
+    cache = init_cache(CFG, num_slots=3, max_len=16)
+    # Prefill different prompt lengths into the three slots.
+    lengths = jnp.array([3, 6, 1])
+    slots = jnp.array([0, 1, 2])
+    logits, cache, _ = model.apply(
+        {"params": params}, tokens, lengths, slots, cache, method=Qwen3.prefill
+    )
+    for b in range(3):
+        n = int(lengths[b])
+        np.testing.assert_allclose(logits[b, :n], full[b, :n], atol=1e-5, rtol=1e-5)
+    # Then chunks of 4 tokens per slot, each slot continuing from its own length; the
+    # last chunk is partly invalid (past the 14 tokens we have).
+    pos = np.array(lengths)
+    while (pos < 14).any():
+        chunk_pos = pos[:, None] + np.arange(4)[None, :]
+        valid = chunk_pos < 14
+        chunk = np.take_along_axis(np.asarray(tokens), np.minimum(chunk_pos, 13), axis=1)
+        logits, cache, _ = model.apply(
+            {"params": params},
+            jnp.asarray(chunk),
+            jnp.asarray(chunk_pos),
+            slots,
+            cache,
+            jnp.asarray(valid),
+            method=Qwen3.decode,
+        )
+        for b in range(3):
+            for j in range(4):
+                if valid[b, j]:
+                    np.testing.assert_allclose(
+                        logits[b, j], full[b, chunk_pos[b, j]], atol=1e-5, rtol=1e-5
+                    )
+        pos = np.minimum(pos + 4, 14)
+
+
+def test_packed_rows_of_one_slot(model_and_params):
+    """The packed verify layout: several [1]-token rows of the same slot in one call."""
+    model, params = model_and_params
+    tokens = _tokens(1, 10, seed=3)
+    full = model.apply({"params": params}, tokens)
+    cache = init_cache(CFG, num_slots=2, max_len=16)
+    _, cache, _ = model.apply(
+        {"params": params},
+        tokens[:, :6],
+        jnp.array([6]),
+        jnp.array([1]),
+        cache,
+        method=Qwen3.prefill,
+    )
+    rows = tokens[0, 6:10][:, None]  # [4, 1]: four rows, one token each, all slot 1
+    logits, _, _ = model.apply(
+        {"params": params},
+        rows,
+        jnp.arange(6, 10)[:, None],
+        jnp.ones(4, jnp.int32),
+        cache,
+        method=Qwen3.decode,
+    )
+    np.testing.assert_allclose(logits[:, 0], full[0, 6:10], atol=1e-5, rtol=1e-5)
+
+
+def test_rolled_back_entries_are_ignored(model_and_params):
+    """Stale cache entries past a slot's length never affect later tokens."""
+    model, params = model_and_params
+    tokens = _tokens(1, 8, seed=4)
+    full = model.apply({"params": params}, tokens)
+    cache = init_cache(CFG, num_slots=1, max_len=16)
+    junk = _tokens(1, 8, seed=5)
+    _, cache, _ = model.apply(
+        {"params": params}, junk, jnp.array([8]), jnp.array([0]), cache, method=Qwen3.prefill
+    )
+    # Overwrite only the first 5 positions with the real prompt; 5..7 hold junk.
+    _, cache, _ = model.apply(
+        {"params": params},
+        tokens[:, :5],
+        jnp.array([5]),
+        jnp.array([0]),
+        cache,
+        method=Qwen3.prefill,
+    )
+    logits, _, _ = model.apply(
+        {"params": params},
+        tokens[:, 5:8],
+        jnp.arange(5, 8)[None],
+        jnp.array([0]),
+        cache,
+        method=Qwen3.decode,
+    )
+    np.testing.assert_allclose(logits[0], full[0, 5:8], atol=1e-5, rtol=1e-5)
+
+
+def test_segments_isolate_packed_documents(model_and_params):
+    model, params = model_and_params
+    a, b = _tokens(1, 5, seed=6), _tokens(1, 7, seed=7)
+    packed = jnp.concatenate([a, b], axis=1)
+    seg = jnp.array([[1] * 5 + [2] * 7])
+    pos = jnp.array([list(range(5)) + list(range(7))])
+    out = model.apply({"params": params}, packed, pos, seg)
+    np.testing.assert_allclose(out[:, :5], model.apply({"params": params}, a), atol=1e-5)
+    np.testing.assert_allclose(out[:, 5:], model.apply({"params": params}, b), atol=1e-5)
+
+
+def test_taps_are_layer_outputs(model_and_params):
+    model, params = model_and_params
+    tokens = _tokens(2, 6, seed=8)
+    logits, taps = model.apply({"params": params}, tokens, taps=(0, 2))
+    assert taps.shape == (2, 2, 6, CFG.hidden_size)
+    # Tap 2 of a 4-layer model run with 3 layers equals that model's (un-normed) output.
+    short = CFG.replace(num_hidden_layers=3)
+    short_params = jax.tree.map(lambda x: x, params)
+    short_params["layers"] = jax.tree.map(lambda x: x[:3], params["layers"])
+    _, short_taps = Qwen3(short).apply({"params": short_params}, tokens, taps=(0,))
+    np.testing.assert_allclose(short_taps[0], taps[0], atol=1e-6)
+    np.testing.assert_allclose(logits, model.apply({"params": params}, tokens), atol=1e-6)
+    with pytest.raises(ValueError, match="last layer may not be tapped"):
+        model.apply({"params": params}, tokens, taps=(3,))
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        Qwen3Config(num_attention_heads=6, num_key_value_heads=4)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        Qwen3Config(dtype="float8")
+    with pytest.raises(ValueError, match="Unknown Qwen3Config key"):
+        Qwen3Config.from_dict({"hidden_sise": 3})
+    with pytest.raises(ValueError, match="Unsupported architecture"):
+        Qwen3Config.from_hf_dict({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        init_cache(CFG, 1, CFG.max_position_embeddings + 1)
+
+
+def test_real_family_sizes():
+    """Parameter counts of the presets match the published Qwen3 sizes."""
+    expected_millions = {
+        "qwen3-0.6b": 596,
+        "qwen3-1.7b": 1721,
+        "qwen3-4b": 4022,
+        "qwen3-8b": 8191,
+        "qwen3-14b": 14768,
+    }
+    for name, millions in expected_millions.items():
+        assert round(PRESETS[name].num_params() / 1e6) == millions, name
+
+
+def test_abstract_init_of_a_large_config_allocates_nothing():
+    model = Qwen3(PRESETS["qwen3-4b"])
+    shapes = jax.eval_shape(
+        lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    )
+    n = sum(
+        int(np.prod(x.value.shape))
+        for x in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    )
+    assert n == PRESETS["qwen3-4b"].num_params()
