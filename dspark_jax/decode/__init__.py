@@ -1,0 +1,1 @@
+"""Decoding: logit processing, sampling and lossless speculative verification (DESIGN §5.1)."""

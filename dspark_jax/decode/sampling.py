@@ -1,0 +1,108 @@
+"""Logit processing and sampling shared by the target and the drafter (DESIGN §5.1).
+
+Lossless speculative sampling needs the draft distribution ``p_d`` and the target
+distribution ``p_t`` to be processed by the *same* function: temperature, then top-k, then
+top-p (the order Hugging Face uses). Everything here has fixed shapes (sort + cumsum, no
+boolean indexing) so it runs inside the jitted decode step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["process_logits", "sample"]
+
+
+def _leading_param(name: str, value, logits: jax.Array, dtype) -> jax.Array:
+    """Broadcast a scalar or per-row parameter over ``logits[..., V]``.
+
+    A per-row parameter has a shape equal to a *prefix* of ``logits.shape[:-1]`` (e.g. ``[R]``
+    for logits ``[R, γ+1, V]``), so it is expanded with trailing singleton axes, not aligned
+    from the right as plain NumPy broadcasting would.
+    """
+    value = jnp.asarray(value, dtype=dtype)
+    batch_shape = logits.shape[:-1]
+    if value.ndim > len(batch_shape) or any(
+        s not in (1, b) for s, b in zip(value.shape, batch_shape[: value.ndim])
+    ):
+        raise ValueError(
+            f"{name} has shape {value.shape}; expected a scalar or a prefix of the logits' "
+            f"batch shape {batch_shape} (logits shape {logits.shape})"
+        )
+    return value.reshape(value.shape + (1,) * (logits.ndim - value.ndim))
+
+
+def _check_concrete(name: str, value, ok, requirement: str) -> None:
+    """Validate host-side values; traced values (inside jit) cannot be inspected."""
+    if isinstance(value, jax.core.Tracer):
+        return
+    arr = np.asarray(value)
+    if not bool(np.all(ok(arr))):
+        raise ValueError(f"{name} must be {requirement}; got {arr.tolist()}")
+
+
+def process_logits(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0) -> jax.Array:
+    """Turn logits ``[..., V]`` into the sampling distribution ``[..., V]`` (float32).
+
+    Args:
+      logits: raw logits, any leading shape.
+      temperature: scalar or per-row array (shape = a prefix of ``logits.shape[:-1]``).
+        ``T == 0`` yields the greedy point mass on the argmax (first index on ties), so rows of
+        a mixed greedy/sampling batch can share ``verify_sampling``; all-greedy batches should
+        call ``verify_greedy`` instead, which skips this work.
+      top_k: scalar or per-row int; ``0`` disables it. Tokens tied with the k-th largest
+        logit are all kept (cut-off by value, as Hugging Face does).
+      top_p: scalar or per-row float in ``(0, 1]``; ``1.0`` disables it. Keeps the smallest
+        set of highest-probability tokens whose mass is ``>= top_p`` (computed after top-k),
+        plus any token tied with the last one kept; the argmax is always kept.
+
+    Returns:
+      Probabilities with exact zeros outside the kept set, rows summing to 1.
+    """
+    logits = jnp.asarray(logits)
+    if logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have shape [..., V] with V >= 1; got {logits.shape}")
+    _check_concrete("temperature", temperature, lambda t: t >= 0, ">= 0")
+    _check_concrete("top_k", top_k, lambda k: k >= 0, ">= 0 (0 disables top-k)")
+    _check_concrete("top_p", top_p, lambda p: (p > 0) & (p <= 1), "in (0, 1] (1 disables top-p)")
+    logits = logits.astype(jnp.float32)
+    temp = _leading_param("temperature", temperature, logits, jnp.float32)
+    k = _leading_param("top_k", top_k, logits, jnp.int32)
+    p = _leading_param("top_p", top_p, logits, jnp.float32)
+
+    greedy = temp <= 0
+    scaled = logits / jnp.where(greedy, 1.0, temp)
+
+    def filtered(x: jax.Array) -> jax.Array:
+        # Work in sorted order to find how many tokens survive, then cut by value so no
+        # scatter back to vocabulary order is needed.
+        srt = jnp.sort(x, axis=-1)[..., ::-1]
+        rank = jnp.arange(x.shape[-1], dtype=jnp.int32)
+        keep_k = (k <= 0) | (rank < k)
+        probs_sorted = jax.nn.softmax(jnp.where(keep_k, srt, -jnp.inf), axis=-1)
+        mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+        keep = keep_k & ((p >= 1.0) | (mass_before < p))
+        keep = keep.at[..., 0].set(True)  # always keep the argmax
+        n_keep = jnp.sum(keep, axis=-1, keepdims=True)
+        cutoff = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
+        return jnp.where(x >= cutoff, x, -jnp.inf)
+
+    # A full-vocabulary sort is the dominant cost; skip it when no row filters.
+    needs_filter = jnp.any(k > 0) | jnp.any(p < 1.0)
+    scaled = jax.lax.cond(needs_filter, filtered, lambda x: x, scaled)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where(greedy, one_hot, probs)
+
+
+def sample(rng: jax.Array, probs: jax.Array) -> jax.Array:
+    """Draw one token id per row from ``probs [..., V]``; returns int32 ``[...]``.
+
+    Zero-probability tokens are never drawn (their log-probability is ``-inf``).
+    """
+    probs = jnp.asarray(probs)
+    if probs.ndim < 1:
+        raise ValueError(f"probs must have shape [..., V]; got {probs.shape}")
+    return jax.random.categorical(rng, jnp.log(probs), axis=-1).astype(jnp.int32)

@@ -1,0 +1,171 @@
+"""Steps-per-second profiling of the verify step (DESIGN §5.3, ``SPS(B)``).
+
+At engine start every compiled verify shape (bucket) is timed on the running hardware:
+median wall time of ``repeats`` calls after ``warmup`` calls, each ending in
+``jax.block_until_ready``. ``SPS = 1 / median``, then forced non-increasing in ``B`` with a
+running minimum (a bigger batch is never faster; timing noise must not make the scheduler
+think so). For a non-bucket ``B`` the table returns the SPS of the smallest bucket ``>= B``,
+since that is the shape that actually runs; sizes above the largest bucket get 0 (cannot
+run, so no scheduler ever picks them).
+
+Tables are cached as JSON under a caller-chosen key (model / config / device description,
+see ``cache_key``) so restarts reuse the measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["SPSTable", "cache_key", "load_or_profile", "profile_sps"]
+
+
+@dataclass(frozen=True)
+class SPSTable:
+    """Profiled verify throughput.
+
+    buckets: strictly increasing verify sizes ``B`` that were timed.
+    seconds: median wall time per bucket.
+    sps: steps/s per bucket after the running minimum (non-increasing).
+    """
+
+    buckets: tuple[int, ...]
+    seconds: tuple[float, ...]
+    sps: tuple[float, ...]
+
+    def __post_init__(self):
+        if not self.buckets or len({len(self.buckets), len(self.seconds), len(self.sps)}) != 1:
+            raise ValueError("SPSTable needs equally long, non-empty buckets/seconds/sps")
+        if any(b < 0 for b in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
+            raise ValueError(f"SPSTable buckets must be increasing and >= 0; got {self.buckets}")
+
+    @classmethod
+    def from_seconds(cls, seconds_by_bucket: Mapping[int, float]) -> SPSTable:
+        """Build a table from ``{B: median seconds}`` (applies the running minimum)."""
+        if not seconds_by_bucket:
+            raise ValueError("need at least one bucket to build an SPS table")
+        buckets = tuple(sorted(int(b) for b in seconds_by_bucket))
+        secs = tuple(float(seconds_by_bucket[b]) for b in buckets)
+        if any(not np.isfinite(s) or s <= 0 for s in secs):
+            raise ValueError(f"step times must be finite and > 0; got {dict(zip(buckets, secs))}")
+        sps = np.minimum.accumulate(1.0 / np.asarray(secs))
+        return cls(buckets, secs, tuple(float(x) for x in sps))
+
+    def __call__(self, b: int) -> float:
+        """``SPS(B)``: the smallest bucket ``>= B``; 0 above the largest bucket."""
+        i = int(np.searchsorted(np.asarray(self.buckets), int(b), side="left"))
+        return self.sps[i] if i < len(self.buckets) else 0.0
+
+    def as_array(self, length: int | None = None) -> jax.Array:
+        """Dense float32 table indexed by ``B = 0 … length-1`` (default up to the largest
+        bucket). Pass ``length = R·(γ+1) + 1`` for the schedulers."""
+        length = self.buckets[-1] + 1 if length is None else int(length)
+        if length < 1:
+            raise ValueError(f"table length must be >= 1; got {length}")
+        return jnp.asarray([self(b) for b in range(length)], jnp.float32)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"buckets": list(self.buckets), "seconds": list(self.seconds), "sps": list(self.sps)}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> SPSTable:
+        try:
+            return cls(
+                tuple(int(b) for b in obj["buckets"]),
+                tuple(float(s) for s in obj["seconds"]),
+                tuple(float(s) for s in obj["sps"]),
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed SPS table entry {obj!r}: {e}") from e
+
+
+def profile_sps(
+    step_fn_by_budget: Mapping[int, Callable[[], Any]], repeats: int = 5, warmup: int = 1
+) -> SPSTable:
+    """Time each ``step_fn_by_budget[B]()`` and return the SPS table.
+
+    Each callable runs one verify step of size ``B`` (already compiled, or compiled during
+    warm-up) and returns its outputs; the timer stops after ``jax.block_until_ready``.
+    """
+    if not step_fn_by_budget:
+        raise ValueError("step_fn_by_budget is empty: give one callable per verify bucket B")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0; got {repeats}, {warmup}")
+    seconds = {}
+    for b, fn in sorted(step_fn_by_budget.items()):
+        if not callable(fn):
+            raise ValueError(f"step_fn_by_budget[{b}] is not callable: {fn!r}")
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t0)
+        seconds[int(b)] = max(statistics.median(times), 1e-9)
+    return SPSTable.from_seconds(seconds)
+
+
+def cache_key(*parts: Any) -> str:
+    """A cache key from caller parts (model, config) plus the device kind/count and JAX
+    version, so a table is never reused on different hardware."""
+    dev = jax.devices()[0]
+    return "|".join(
+        [
+            *(str(p) for p in parts),
+            f"{dev.platform}:{dev.device_kind}x{jax.device_count()}",
+            f"jax{jax.__version__}",
+        ]
+    )
+
+
+def _read_cache(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"SPS cache {path} is not valid JSON ({e}); delete it to re-profile"
+        ) from e
+    if not isinstance(data, dict):
+        raise ValueError(f"SPS cache {path} must hold a JSON object keyed by cache key")
+    return data
+
+
+def load_or_profile(
+    cache_path: str,
+    key: str,
+    step_fn_by_budget: Mapping[int, Callable[[], Any]],
+    repeats: int = 5,
+    warmup: int = 1,
+) -> SPSTable:
+    """Return the cached table for ``key`` if it covers the same buckets (no step function
+    is called then), else a fresh ``profile_sps`` result written back (atomically) under ``key``.
+    Other keys in the file are preserved."""
+    data = _read_cache(cache_path)
+    buckets = sorted(int(b) for b in step_fn_by_budget)
+    if key in data:
+        table = SPSTable.from_json(data[key])
+        if list(table.buckets) == buckets:
+            return table
+    table = profile_sps(step_fn_by_budget, repeats=repeats, warmup=warmup)
+    data[key] = table.to_json()
+    directory = os.path.dirname(os.path.abspath(cache_path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, cache_path)
+    return table
