@@ -517,11 +517,14 @@ class Qwen3(nn.Module):
         slots: Array,
         cache: KVCache,
         taps: tuple[int, ...] | None = None,
+        return_hidden: bool = False,
     ):
         """Causal forward over prompts ``[B,T]`` (left-aligned) writing K/V into slots.
 
         Row ``b`` goes to cache slot ``slots[b]`` at positions ``0 .. lengths[b]-1``;
-        padding beyond ``lengths[b]`` is not written. Returns ``(logits, cache, taps)``.
+        padding beyond ``lengths[b]`` is not written. Returns ``(logits, cache, taps)``
+        or, with ``return_hidden``, ``(final-normed hidden, cache, taps)`` so callers can
+        apply the LM head only where they need it.
         """
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -533,8 +536,9 @@ class Qwen3(nn.Module):
             "write_positions": write,
         }
         h, tap_states, new_cache = self.layers(self.embed(tokens), cache, ctx, taps, "prefill")
-        logits = self.logits_from_hidden(self.norm(h))
-        return logits, new_cache, tap_states
+        h = self.norm(h)
+        out = h if return_hidden else self.logits_from_hidden(h)
+        return out, new_cache, tap_states
 
     def decode(
         self,
