@@ -20,6 +20,10 @@ def model_and_params():
     return model, params
 
 
+# Jitted apply: eager op-by-op dispatch of a scanned model is slow on CPU.
+_apply = jax.jit(Qwen3(CFG).apply, static_argnames=("method", "taps"))
+
+
 def _tokens(batch, length, seed=1):
     return jax.random.randint(jax.random.key(seed), (batch, length), 0, CFG.vocab_size)
 
@@ -33,11 +37,11 @@ def test_layers_are_stacked(model_and_params):
 def test_token_by_token_cache_matches_full_forward(model_and_params):
     model, params = model_and_params
     tokens = _tokens(2, 12)
-    full = model.apply({"params": params}, tokens)
+    full = _apply({"params": params}, tokens)
     cache = init_cache(CFG, num_slots=3, max_len=16)
     slots = jnp.array([2, 0])
     decode = jax.jit(
-        lambda p, t, pos, c: model.apply({"params": p}, t, pos, slots, c, method=Qwen3.decode)
+        lambda p, t, pos, c: _apply({"params": p}, t, pos, slots, c, method=Qwen3.decode)
     )
     for t in range(12):
         logits, cache, _ = decode(params, tokens[:, t : t + 1], jnp.full((2, 1), t), cache)
@@ -47,12 +51,12 @@ def test_token_by_token_cache_matches_full_forward(model_and_params):
 def test_chunked_decode_with_slots_at_different_lengths(model_and_params):
     model, params = model_and_params
     tokens = _tokens(3, 14, seed=2)
-    full = model.apply({"params": params}, tokens)
+    full = _apply({"params": params}, tokens)
     cache = init_cache(CFG, num_slots=3, max_len=16)
     # Prefill different prompt lengths into the three slots.
     lengths = jnp.array([3, 6, 1])
     slots = jnp.array([0, 1, 2])
-    logits, cache, _ = model.apply(
+    logits, cache, _ = _apply(
         {"params": params}, tokens, lengths, slots, cache, method=Qwen3.prefill
     )
     for b in range(3):
@@ -65,7 +69,7 @@ def test_chunked_decode_with_slots_at_different_lengths(model_and_params):
         chunk_pos = pos[:, None] + np.arange(4)[None, :]
         valid = chunk_pos < 14
         chunk = np.take_along_axis(np.asarray(tokens), np.minimum(chunk_pos, 13), axis=1)
-        logits, cache, _ = model.apply(
+        logits, cache, _ = _apply(
             {"params": params},
             jnp.asarray(chunk),
             jnp.asarray(chunk_pos),
@@ -87,9 +91,9 @@ def test_packed_rows_of_one_slot(model_and_params):
     """The packed verify layout: several [1]-token rows of the same slot in one call."""
     model, params = model_and_params
     tokens = _tokens(1, 10, seed=3)
-    full = model.apply({"params": params}, tokens)
+    full = _apply({"params": params}, tokens)
     cache = init_cache(CFG, num_slots=2, max_len=16)
-    _, cache, _ = model.apply(
+    _, cache, _ = _apply(
         {"params": params},
         tokens[:, :6],
         jnp.array([6]),
@@ -98,7 +102,7 @@ def test_packed_rows_of_one_slot(model_and_params):
         method=Qwen3.prefill,
     )
     rows = tokens[0, 6:10][:, None]  # [4, 1]: four rows, one token each, all slot 1
-    logits, _, _ = model.apply(
+    logits, _, _ = _apply(
         {"params": params},
         rows,
         jnp.arange(6, 10)[:, None],
@@ -113,14 +117,14 @@ def test_rolled_back_entries_are_ignored(model_and_params):
     """Stale cache entries past a slot's length never affect later tokens."""
     model, params = model_and_params
     tokens = _tokens(1, 8, seed=4)
-    full = model.apply({"params": params}, tokens)
+    full = _apply({"params": params}, tokens)
     cache = init_cache(CFG, num_slots=1, max_len=16)
     junk = _tokens(1, 8, seed=5)
-    _, cache, _ = model.apply(
+    _, cache, _ = _apply(
         {"params": params}, junk, jnp.array([8]), jnp.array([0]), cache, method=Qwen3.prefill
     )
     # Overwrite only the first 5 positions with the real prompt; 5..7 hold junk.
-    _, cache, _ = model.apply(
+    _, cache, _ = _apply(
         {"params": params},
         tokens[:, :5],
         jnp.array([5]),
@@ -128,7 +132,7 @@ def test_rolled_back_entries_are_ignored(model_and_params):
         cache,
         method=Qwen3.prefill,
     )
-    logits, _, _ = model.apply(
+    logits, _, _ = _apply(
         {"params": params},
         tokens[:, 5:8],
         jnp.arange(5, 8)[None],
@@ -145,15 +149,15 @@ def test_segments_isolate_packed_documents(model_and_params):
     packed = jnp.concatenate([a, b], axis=1)
     seg = jnp.array([[1] * 5 + [2] * 7])
     pos = jnp.array([list(range(5)) + list(range(7))])
-    out = model.apply({"params": params}, packed, pos, seg)
-    np.testing.assert_allclose(out[:, :5], model.apply({"params": params}, a), atol=1e-5)
-    np.testing.assert_allclose(out[:, 5:], model.apply({"params": params}, b), atol=1e-5)
+    out = _apply({"params": params}, packed, pos, seg)
+    np.testing.assert_allclose(out[:, :5], _apply({"params": params}, a), atol=1e-5)
+    np.testing.assert_allclose(out[:, 5:], _apply({"params": params}, b), atol=1e-5)
 
 
 def test_taps_are_layer_outputs(model_and_params):
     model, params = model_and_params
     tokens = _tokens(2, 6, seed=8)
-    logits, taps = model.apply({"params": params}, tokens, taps=(0, 2))
+    logits, taps = _apply({"params": params}, tokens, taps=(0, 2))
     assert taps.shape == (2, 2, 6, CFG.hidden_size)
     # Tap 2 of a 4-layer model run with 3 layers equals that model's (un-normed) output.
     short = CFG.replace(num_hidden_layers=3)
@@ -161,9 +165,9 @@ def test_taps_are_layer_outputs(model_and_params):
     short_params["layers"] = jax.tree.map(lambda x: x[:3], params["layers"])
     _, short_taps = Qwen3(short).apply({"params": short_params}, tokens, taps=(0,))
     np.testing.assert_allclose(short_taps[0], taps[0], atol=1e-6)
-    np.testing.assert_allclose(logits, model.apply({"params": params}, tokens), atol=1e-6)
+    np.testing.assert_allclose(logits, _apply({"params": params}, tokens), atol=1e-6)
     with pytest.raises(ValueError, match="last layer may not be tapped"):
-        model.apply({"params": params}, tokens, taps=(3,))
+        _apply({"params": params}, tokens, taps=(3,))
 
 
 def test_config_errors():
