@@ -1,0 +1,261 @@
+"""Drafter building blocks: multi-source attention, the drafter decoder layer, and the
+parallel block backbone shared by DSpark and DFlash (DESIGN §3.2).
+
+Backbone (DeepSpec ``Qwen3DSparkModel._forward_backbone``):
+
+* ``H_ctx = RMSNorm(W_c [h_l1; …; h_lm])`` (``fc`` then ``hidden_norm``).
+* Every draft layer applies its own k/v projections (and the per-head k-norm) to ``H_ctx``
+  directly (no input layernorm on the context, as in DeepSpec) and to the block, and
+  attends over ``[context ; block]``. Only block tokens are queries; attention inside a
+  block is bidirectional; a block sees context positions strictly before its anchor.
+* RoPE: context keys at their absolute positions, block tokens at ``anchor_pos + 0..γ-1``.
+* A final RMSNorm (``norm``) produces ``h_k``; the *target's* LM head maps it to logits.
+
+The context K/V of a layer depend only on ``H_ctx``, so they are computed once per context
+token (not per block): the packed training forward and the draft step differ only in how
+blocks index the context (a mask built from token-level indices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.models.qwen3 import (
+    MLP,
+    Projection,
+    Qwen3Config,
+    RMSNorm,
+    SelfAttention,
+    apply_rope,
+    rope_tables,
+)
+
+Array = jax.Array
+# (keys, values, mask). keys/values: [C,KV,D] shared by all rows, [B,C,KV,D] per row, or
+# [B,Q,C,KV,D] per query; mask broadcastable to [B,Q,C] (True = may attend).
+Source = tuple[Array, Array, Array]
+
+
+def multi_source_attention(q: Array, sources: Sequence[Source]) -> Array:
+    """One softmax over the concatenation of several key/value sources.
+
+    ``q``: ``[B, Q, H, D]``. Each source is ``(k, v, mask)`` with k/v shaped ``[C, KV, D]``
+    (one set shared by every row, e.g. the flattened context of a packed batch),
+    ``[B, C, KV, D]`` (per row) or ``[B, Q, C, KV, D]`` (per query, e.g. an EAGLE-3 chain).
+    Splitting the keys this way avoids materialising a dense ``[Q, all keys]`` mask over
+    other rows' tokens. Scores and softmax in float32. Returns ``[B, Q, H, D]``.
+    """
+    b, nq, h, d = q.shape
+    kvh = sources[0][0].shape[-2]
+    qg = q.reshape(b, nq, kvh, h // kvh, d)
+    specs = {3: "ckd", 4: "bckd", 5: "bqckd"}
+    scores, sizes = [], []
+    for k, _, mask in sources:
+        if k.ndim not in specs:
+            raise ValueError(f"attention keys must be 3-, 4- or 5-D, got shape {k.shape}")
+        s = jnp.einsum(
+            f"bqkgd,{specs[k.ndim]}->bkgqc",
+            qg,
+            k.astype(q.dtype),
+            preferred_element_type=jnp.float32,
+        )
+        c = s.shape[-1]
+        m = jnp.broadcast_to(mask, (b, nq, c))
+        s = jnp.where(m[:, None, None], s * (d**-0.5), jnp.finfo(jnp.float32).min)
+        scores.append(s)
+        sizes.append(c)
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    out = 0.0
+    start = 0
+    for (_, v, _), c in zip(sources, sizes):
+        p = probs[..., start : start + c].astype(v.dtype)
+        start += c
+        spec = {3: "ckd", 4: "bckd", 5: "bqckd"}[v.ndim]
+        out = out + jnp.einsum(f"bkgqc,{spec}->bqkgd", p, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, nq, h, d).astype(q.dtype)
+
+
+class DraftDecoderLayer(nn.Module):
+    """A Qwen3 decoder layer whose attention takes extra key/value sources.
+
+    Parameter names follow Hugging Face / DeepSpec (``input_layernorm``, ``self_attn``,
+    ``post_attention_layernorm``, ``mlp``; plus ``hidden_norm`` when ``fused_input``, the
+    EAGLE-3 layer whose attention input is ``[norm(embed(x)); norm(h)]`` of width 2d).
+    """
+
+    config: Qwen3Config
+    fused_input: bool = False
+
+    def setup(self):
+        cfg = self.config
+        kw = dict(eps=cfg.rms_norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)
+        self.input_layernorm = RMSNorm(**kw)
+        if self.fused_input:
+            self.hidden_norm = RMSNorm(**kw)
+        self.post_attention_layernorm = RMSNorm(**kw)
+        self.self_attn = SelfAttention(cfg)
+        self.mlp = MLP(cfg)
+
+    def attn_input(self, h: Array, embeds: Array | None = None) -> Array:
+        """The attention input: ``norm(h)``, or ``[norm(embeds); hidden_norm(h)]`` (EAGLE-3)."""
+        if self.fused_input:
+            return jnp.concatenate([self.input_layernorm(embeds), self.hidden_norm(h)], axis=-1)
+        return self.input_layernorm(h)
+
+    def context_kv(self, x: Array, positions: Array) -> tuple[Array, Array]:
+        """Keys (k-normed, RoPE at ``positions``) and values of ``x [..., T, in]``."""
+        k, v = self.self_attn.kv(x)
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        return apply_rope(k, cos, sin), v
+
+    def __call__(
+        self,
+        x: Array,
+        resid: Array,
+        positions: Array,
+        sources: Sequence[Source] = (),
+        own: str = "block",
+        own_mask: Array | None = None,
+    ) -> tuple[Array, tuple[Array, Array]]:
+        """Attention + MLP for query tokens ``x [B, Q, in]`` with residual ``resid [B, Q, d]``.
+
+        ``own`` says how the queries see each other's keys: ``"block"`` (every query of a row
+        sees every key of the row, restricted by ``own_mask [.., Q, Q]`` if given),
+        ``"self"`` (each query sees only its own key), or ``"none"``. Returns the layer
+        output ``[B, Q, d]`` and the queries' own ``(k, v)`` (RoPE applied).
+        """
+        cfg = self.config
+        q, k, v = self.self_attn.project(x)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        b, nq = x.shape[:2]
+        srcs = list(sources)
+        if own == "block":
+            mask = jnp.ones((1, nq, nq), bool) if own_mask is None else own_mask
+            srcs.append((k, v, mask))
+        elif own == "self":
+            srcs.append((k[:, :, None], v[:, :, None], jnp.ones((1, nq, 1), bool)))
+        elif own != "none":
+            raise ValueError(f"own must be 'block', 'self' or 'none', got {own!r}")
+        if not srcs:
+            raise ValueError("attention needs at least one key/value source")
+        attn = multi_source_attention(q, srcs)
+        h = resid + self.self_attn.output(attn)
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, (k, v)
+
+
+class ParallelBackbone(nn.Module):
+    """DFlash/DSpark parallel block backbone over target tap features (DESIGN §3.2)."""
+
+    config: Qwen3Config  # the target's width/heads; num_hidden_layers = drafter layers
+    num_taps: int
+
+    def setup(self):
+        cfg = self.config
+        kw = dict(eps=cfg.rms_norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)
+        # W_c: m·d -> d, no bias (DeepSpec ``fc``).
+        self.fc = Projection(
+            features=(cfg.hidden_size,),
+            in_axes=("taps",),
+            out_axes=("embed",),
+            dtype=cfg.compute_dtype,
+            param_dtype=cfg.weight_dtype,
+        )
+        self.hidden_norm = RMSNorm(**kw)
+        self.layers = [
+            DraftDecoderLayer(cfg, name=f"layers_{i}") for i in range(cfg.num_hidden_layers)
+        ]
+        self.norm = RMSNorm(**kw)
+
+    def context(self, feats: Array) -> Array:
+        """``H_ctx = RMSNorm(W_c feats)`` for tap features ``[..., m·d]``."""
+        want = self.num_taps * self.config.hidden_size
+        if feats.shape[-1] != want:
+            raise ValueError(
+                f"context features have last dim {feats.shape[-1]}, expected "
+                f"{self.num_taps} taps x hidden_size {self.config.hidden_size} = {want}"
+            )
+        return self.hidden_norm(self.fc(feats))
+
+    def __call__(
+        self,
+        block_embeds: Array,
+        block_positions: Array,
+        h_ctx: Array,
+        ctx_positions: Array,
+        ctx_mask: Array,
+        shared_context: bool,
+    ) -> Array:
+        """Final-normed block hidden states ``[N, γ, d]``.
+
+        ``block_embeds [N, γ, d]`` at ``block_positions [N, γ]``. Context ``h_ctx`` at
+        ``ctx_positions``: with ``shared_context`` it is ``[S, T, d]`` and all N blocks
+        index its flattened ``S·T`` rows through ``ctx_mask [N, S·T]`` (packed training);
+        otherwise it is ``[N, M, d]``, one context per row, masked by ``ctx_mask [N, M]``.
+        """
+        h = block_embeds
+        mask = ctx_mask[:, None, :]  # same context visibility for every token of a block
+        for layer in self.layers:
+            kc, vc = layer.context_kv(h_ctx, ctx_positions)
+            if shared_context:
+                kc = kc.reshape((-1,) + kc.shape[-2:])
+                vc = vc.reshape((-1,) + vc.shape[-2:])
+            h, _ = layer(layer.attn_input(h), h, block_positions, [(kc, vc, mask)], own="block")
+        return self.norm(h)
+
+
+# ----------------------------------------------------------------------------------------
+# Frozen target embedding / LM head, passed in as arrays or callables (never drafter params)
+# ----------------------------------------------------------------------------------------
+
+EmbedLike = Array | Callable[[Array], Array]
+
+
+def embed_tokens(embed: EmbedLike, tokens: Array, hidden_size: int, dtype: Any) -> Array:
+    """Look up ``tokens`` in the target embedding (array ``[V, d]`` or callable)."""
+    if callable(embed):
+        out = embed(tokens)
+    else:
+        if embed.ndim != 2 or embed.shape[1] != hidden_size:
+            raise ValueError(
+                f"target embedding must be [vocab, hidden_size={hidden_size}], got {embed.shape}"
+            )
+        out = jnp.take(embed, tokens, axis=0)
+    if out.shape != tokens.shape + (hidden_size,):
+        raise ValueError(
+            f"embedding of tokens {tokens.shape} gave shape {out.shape}, expected "
+            f"{tokens.shape + (hidden_size,)}"
+        )
+    return out.astype(dtype)
+
+
+def apply_lm_head(lm_head: EmbedLike, h: Array, vocab_size: int) -> Array:
+    """Target LM head over final-normed ``h [..., d]``; float32 logits ``[..., V]``.
+
+    ``lm_head`` is a callable, a kernel ``[d, V]`` (``Projection`` layout), or a tied
+    embedding table ``[V, d]`` (accepted when ``V != d``).
+    """
+    d = h.shape[-1]
+    if callable(lm_head):
+        out = lm_head(h)
+    else:
+        if lm_head.shape == (d, vocab_size):
+            kernel = lm_head
+        elif lm_head.shape == (vocab_size, d) and vocab_size != d:
+            kernel = lm_head.T
+        else:
+            raise ValueError(
+                f"lm_head must be a callable, a [hidden_size={d}, vocab={vocab_size}] kernel or "
+                f"a [vocab, hidden_size] tied embedding; got shape {lm_head.shape}"
+            )
+        out = jnp.einsum("...d,dv->...v", h, kernel.astype(h.dtype))
+    if out.shape != h.shape[:-1] + (vocab_size,):
+        raise ValueError(f"lm_head gave shape {out.shape}, expected {h.shape[:-1] + (vocab_size,)}")
+    return out.astype(jnp.float32)

@@ -1,0 +1,300 @@
+"""DSpark and DFlash drafters (DESIGN §3.2–3.4).
+
+Conventions (checked against DeepSpec ``deepspec/modeling/dspark`` and its evaluator):
+
+* Target position t's tap features are the target's hidden states after consuming token t.
+* A block is anchored at ``anchor_pos``: the anchor token (at ``anchor_pos``) is the block's
+  first input, followed by γ-1 MASK tokens, at RoPE positions ``anchor_pos + 0..γ-1``.
+  The block sees context features of positions ``< anchor_pos`` only (the target has not
+  consumed the anchor yet). Output k (0-based) predicts the token at ``anchor_pos + k + 1``.
+* Training: ``block_tokens[n] = tokens[anchor_pos : anchor_pos + γ]`` (true tokens). The
+  anchor feeds the backbone; ``block_tokens[:, k]`` is the teacher-forced ``x_{k-1}`` of
+  output k (1-based ``k``), so labels are ``tokens[anchor_pos + 1 : anchor_pos + γ + 1]``.
+* Drafting: ``context_feats[r, :ctx_len[r]]`` hold the tap features of committed positions
+  ``0 .. ctx_len-1``; the anchor (last committed token, not yet run through the target) is
+  at position ``ctx_len``. Drafts are tokens at ``ctx_len + 1 .. ctx_len + γ``.
+
+DFlash (DeepSpec's baseline) is the same module with no sequential head and no confidence.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.decode.sampling import process_logits, sample
+from dspark_jax.models import heads as H
+from dspark_jax.models.backbone import ParallelBackbone, apply_lm_head, embed_tokens
+from dspark_jax.models.drafter_config import DrafterConfig
+from dspark_jax.models.qwen3 import Qwen3Config
+
+Array = jax.Array
+
+
+class DraftOutput(NamedTuple):
+    """One round of drafts for R slots.
+
+    tokens: ``[R, G]`` int32 draft tokens (G = γ, or 1 for MTP-1).
+    token_probs: ``[R, G]`` draft probability of each sampled token.
+    probs: ``[R, G, V]`` processed draft distribution each token was sampled from (``p_d``
+      for rejection sampling; a point mass at temperature 0).
+    confidence_logits: ``[R, G]`` raw confidence logits ``z_k`` (apply STS temperatures,
+      then σ), or ``None`` without a confidence head.
+    """
+
+    tokens: Array
+    token_probs: Array
+    probs: Array
+    confidence_logits: Array | None
+
+    @property
+    def confidence(self) -> Array | None:
+        """``c_k = σ(z_k)`` (uncalibrated)."""
+        return None if self.confidence_logits is None else jax.nn.sigmoid(self.confidence_logits)
+
+
+def draft_qwen3_config(target: Qwen3Config, num_layers: int) -> Qwen3Config:
+    """The drafter's layer shapes: the target's width/heads with the drafter's depth."""
+    return target.replace(num_hidden_layers=num_layers)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def sample_scan(step_fn, prev0, extra0, per_step, rng, gamma, temperature, top_k, top_p):
+    """Left-to-right sampling inside ``lax.scan``; step k draws with ``split(rng, γ)[k]``.
+
+    ``step_fn(prev [R], extra, xs) -> (extra, logits [R, V], conf [R] | None)`` is pure (no
+    Linen module calls). ``prev`` starts at ``prev0`` (the anchor) and is then the token
+    just sampled. Returns tokens/token_probs ``[R, γ]``, probs ``[R, γ, V]``, conf
+    ``[R, γ]`` or ``None``.
+    """
+    keys = jax.random.split(rng, gamma)
+
+    def body(carry, xs):
+        prev, extra = carry
+        key, inner = xs
+        extra, logits, conf = step_fn(prev, extra, inner)
+        probs = process_logits(logits, temperature, top_k, top_p)
+        tok = sample(key, probs)
+        p_tok = jnp.take_along_axis(probs, tok[:, None], axis=-1)[:, 0]
+        return (tok, extra), (tok, p_tok, probs, conf)
+
+    _, (toks, p_toks, probs, confs) = jax.lax.scan(body, (prev0, extra0), (keys, per_step))
+    confs = None if confs is None else confs.T
+    return toks.T, p_toks.T, jnp.swapaxes(probs, 0, 1), confs
+
+
+class DSparkDrafter(nn.Module):
+    """DSpark (and DFlash) drafter. Build with ``drafters.make_drafter``.
+
+    Entry points (``apply(..., method=...)``): ``train_forward`` and ``draft``.
+    """
+
+    config: DrafterConfig  # resolved (see DrafterConfig.resolve)
+    target: Qwen3Config
+
+    def setup(self):
+        cfg, tgt = self.config, self.target
+        if cfg.kind not in ("dspark", "dflash") or cfg.taps is None or cfg.mask_token_id is None:
+            raise ValueError(
+                "DSparkDrafter needs a resolved dspark/dflash DrafterConfig "
+                "(use drafters.make_drafter)"
+            )
+        self.qcfg = draft_qwen3_config(tgt, cfg.resolved_num_layers)
+        self.backbone = ParallelBackbone(self.qcfg, num_taps=len(cfg.taps))
+        self.head_kind = cfg.resolved_head
+        if self.head_kind != "none":
+            self.markov_head = H.SequentialHead(
+                kind=self.head_kind,
+                vocab_size=tgt.vocab_size,
+                rank=cfg.head_rank,
+                hidden_size=tgt.hidden_size,
+                param_dtype=tgt.weight_dtype,
+            )
+        self.use_prev_in_conf = (
+            cfg.has_confidence and cfg.confidence_with_prev and self.head_kind != "none"
+        )
+        if cfg.has_confidence:
+            in_dim = tgt.hidden_size + (cfg.head_rank if self.use_prev_in_conf else 0)
+            self.confidence_head = H.ConfidenceHead(in_dim, param_dtype=tgt.weight_dtype)
+
+    # -- shared pieces --------------------------------------------------------------------
+    def _block_embeds(self, anchor_tokens: Array, embed) -> Array:
+        n = anchor_tokens.shape[0]
+        gamma = self.config.gamma
+        ids = jnp.concatenate(
+            [
+                anchor_tokens[:, None].astype(jnp.int32),
+                jnp.full((n, gamma - 1), self.config.mask_token_id, jnp.int32),
+            ],
+            axis=1,
+        )
+        return embed_tokens(embed, ids, self.target.hidden_size, self.qcfg.compute_dtype)
+
+    def _tables(self):
+        head = self.markov_head.tables() if self.head_kind != "none" else None
+        conf = self.confidence_head.tables() if self.config.has_confidence else None
+        return head, conf
+
+    def _confidence(self, conf_tables, head_tables, h: Array, prev: Array) -> Array:
+        prev_emb = H.prev_embedding(head_tables, prev) if self.use_prev_in_conf else None
+        return H.confidence_logit(conf_tables, h, prev_emb)
+
+    # -- training -------------------------------------------------------------------------
+    def train_forward(
+        self,
+        context_feats: Array,
+        ctx_valid: Array,
+        block_tokens: Array,
+        block_seq: Array,
+        anchor_pos: Array,
+        embed,
+        lm_head,
+        return_hidden: bool = False,
+    ):
+        """Teacher-forced forward over packed blocks (anchor-bounded packing, DESIGN §4).
+
+        Args:
+          context_feats: ``[S, T, m·d]`` target tap features of S sequences (position = column).
+          ctx_valid: ``[S, T]`` bool, False for padding columns.
+          block_tokens: ``[N, γ]`` true tokens at ``anchor_pos .. anchor_pos+γ-1``.
+          block_seq: ``[N]`` sequence (row of ``context_feats``) of each block.
+          anchor_pos: ``[N]`` anchor position of each block.
+          embed, lm_head: the frozen target embedding / LM head (arrays or callables).
+
+        Block n attends to context rows ``(block_seq[n], t)`` with ``t < anchor_pos[n]`` and
+        ``ctx_valid``, and to its own γ tokens; never to other blocks. Cost per layer:
+        context K/V once per context token; scores ``N·γ × S·T`` (vmap this method over
+        groups of sequences to bound it).
+
+        Returns ``(draft_logits [N, γ, V] float32 (head-corrected), confidence_logits
+        [N, γ] or None)``; with ``return_hidden`` also the backbone states ``[N, γ, d]``.
+        """
+        cfg, tgt = self.config, self.target
+        s, t = context_feats.shape[:2]
+        n = block_tokens.shape[0]
+        _check(
+            context_feats.ndim == 3, f"context_feats must be [S, T, m·d], got {context_feats.shape}"
+        )
+        _check(ctx_valid.shape == (s, t), f"ctx_valid must be {(s, t)}, got {ctx_valid.shape}")
+        _check(
+            block_tokens.shape == (n, cfg.gamma),
+            f"block_tokens must be [N, gamma={cfg.gamma}], got {block_tokens.shape}",
+        )
+        _check(block_seq.shape == (n,), f"block_seq must be [{n}], got {block_seq.shape}")
+        _check(anchor_pos.shape == (n,), f"anchor_pos must be [{n}], got {anchor_pos.shape}")
+
+        h_ctx = self.backbone.context(context_feats)  # [S, T, d]
+        ctx_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (s, t))
+        ctx_seq = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[:, None], (s, t))
+        # Token-level indices -> mask [N, S·T]: own sequence, strictly before the anchor.
+        ctx_mask = (
+            (ctx_seq.reshape(-1)[None, :] == block_seq[:, None])
+            & (ctx_pos.reshape(-1)[None, :] < anchor_pos[:, None])
+            & ctx_valid.reshape(-1)[None, :]
+        )
+        block_pos = anchor_pos[:, None].astype(jnp.int32) + jnp.arange(cfg.gamma, dtype=jnp.int32)
+        h = self.backbone(
+            self._block_embeds(block_tokens[:, 0], embed),
+            block_pos,
+            h_ctx,
+            ctx_pos,
+            ctx_mask,
+            shared_context=True,
+        )
+        logits = apply_lm_head(lm_head, h, tgt.vocab_size)
+        head_t, conf_t = self._tables()
+        prev = block_tokens.astype(jnp.int32)  # x_{k-1} for outputs k = 1..γ
+        if head_t is not None:
+            logits = logits + H.teacher_forced_bias(self.head_kind, head_t, prev, h)
+        conf = None if conf_t is None else self._confidence(conf_t, head_t, h, prev)
+        return (logits, conf, h) if return_hidden else (logits, conf)
+
+    # -- drafting -------------------------------------------------------------------------
+    def draft(
+        self,
+        context_feats: Array,
+        ctx_len: Array,
+        anchor_tokens: Array,
+        rng: Array,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        embed=None,
+        lm_head=None,
+        context_tokens: Array | None = None,
+    ) -> DraftOutput:
+        """Draft γ tokens per slot (the drafting half of the decode step, DESIGN §5.2).
+
+        Args:
+          context_feats: ``[R, M, m·d]`` drafter context cache (tap features of committed
+            positions ``0..ctx_len-1``; rows ``>= ctx_len`` are ignored).
+          ctx_len: ``[R]`` number of valid context rows = the anchor's position.
+          anchor_tokens: ``[R]`` last committed token of each slot.
+          rng: PRNG key; token k uses ``jax.random.split(rng, γ)[k]``.
+          temperature, top_k, top_p: scalars or ``[R]`` (``process_logits`` semantics;
+            temperature 0 = greedy argmax).
+          embed, lm_head: frozen target embedding / LM head.
+          context_tokens: unused (accepted so all drafters share one signature).
+        """
+        del context_tokens
+        cfg, tgt = self.config, self.target
+        r, m = context_feats.shape[:2]
+        _check(
+            context_feats.ndim == 3, f"context_feats must be [R, M, m·d], got {context_feats.shape}"
+        )
+        _check(ctx_len.shape == (r,), f"ctx_len must be [{r}], got {ctx_len.shape}")
+        _check(
+            anchor_tokens.shape == (r,), f"anchor_tokens must be [{r}], got {anchor_tokens.shape}"
+        )
+        _check(embed is not None and lm_head is not None, "draft needs embed and lm_head")
+
+        h_ctx = self.backbone.context(context_feats)
+        ctx_pos = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (r, m))
+        ctx_mask = ctx_pos < ctx_len[:, None]
+        block_pos = ctx_len[:, None].astype(jnp.int32) + jnp.arange(cfg.gamma, dtype=jnp.int32)
+        h = self.backbone(
+            self._block_embeds(anchor_tokens, embed),
+            block_pos,
+            h_ctx,
+            ctx_pos,
+            ctx_mask,
+            shared_context=False,
+        )
+        # The LM head runs once over all γ positions (matrix-matrix); the scan only adds the
+        # head's rank-r correction per token.
+        base = apply_lm_head(lm_head, h, tgt.vocab_size)  # [R, γ, V]
+        head_t, conf_t = self._tables()
+        kind, use_prev = self.head_kind, self.use_prev_in_conf
+
+        def step(prev, state, xs):
+            u_k, h_k = xs
+            logits = u_k
+            if head_t is not None:
+                state, bias = H.head_step(kind, head_t, state, prev, h_k)
+                logits = logits + bias
+            conf = None
+            if conf_t is not None:
+                prev_emb = H.prev_embedding(head_t, prev) if use_prev else None
+                conf = H.confidence_logit(conf_t, h_k, prev_emb)
+            return state, logits, conf
+
+        state0 = H.init_state(kind, head_t, (r,)) if head_t is not None else jnp.zeros((r, 0))
+        toks, p_toks, probs, confs = sample_scan(
+            step,
+            anchor_tokens.astype(jnp.int32),
+            state0,
+            (jnp.swapaxes(base, 0, 1), jnp.swapaxes(h, 0, 1)),
+            rng,
+            cfg.gamma,
+            temperature,
+            top_k,
+            top_p,
+        )
+        return DraftOutput(toks, p_toks, probs, confs)

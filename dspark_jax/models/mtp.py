@@ -1,0 +1,132 @@
+"""MTP-1 drafter baseline (DeepSeek-V3 style, DESIGN §3.5).
+
+State t: ``s_t = W_p [hnorm(h_t); enorm(embed(x_{t+1}))]`` where ``h_t`` is the target's
+final (normed) hidden state at position t — the context feature of MTP-1 is that hidden
+state, not a tap — and ``x_{t+1}`` the next token. One Qwen3 decoder layer runs causally
+over the states, then a final RMSNorm and the shared (frozen) target LM head; the output
+at t predicts ``x_{t+2}``. Embedding and head are the target's.
+
+Drafting: with the anchor at position ``c = ctx_len``, the state at ``t = c-1`` pairs
+``h_{c-1}`` with the anchor and proposes the single token at ``c+1`` (attending to the
+states ``t <= c-1``, whose K/V are recomputed from the context each round).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.decode.sampling import process_logits, sample
+from dspark_jax.models.backbone import DraftDecoderLayer, apply_lm_head, embed_tokens
+from dspark_jax.models.drafter_config import DrafterConfig
+from dspark_jax.models.dspark import DraftOutput, _check, draft_qwen3_config
+from dspark_jax.models.eagle3 import _gather_rows, causal_mask, next_tokens, shift_left
+from dspark_jax.models.qwen3 import Projection, Qwen3Config, RMSNorm
+
+Array = jax.Array
+
+
+class MTPDrafter(nn.Module):
+    """MTP-1 drafter. Entry points: ``train_forward`` and ``draft`` (one token)."""
+
+    config: DrafterConfig  # resolved
+    target: Qwen3Config
+
+    def setup(self):
+        cfg, tgt = self.config, self.target
+        if cfg.kind != "mtp1":
+            raise ValueError("MTPDrafter needs an mtp1 DrafterConfig")
+        if cfg.resolved_num_layers != 1:
+            raise ValueError(f"MTP-1 uses one block; got num_layers={cfg.num_layers}")
+        self.qcfg = draft_qwen3_config(tgt, 1)
+        kw = dict(eps=tgt.rms_norm_eps, dtype=tgt.compute_dtype, param_dtype=tgt.weight_dtype)
+        self.hnorm = RMSNorm(**kw)
+        self.enorm = RMSNorm(**kw)
+        # W_p: 2d -> d (DeepSeek-V3 ``eh_proj``); the "taps" axis names the 2 concatenated inputs.
+        self.eh_proj = Projection(
+            features=(tgt.hidden_size,),
+            in_axes=("taps",),
+            out_axes=("embed",),
+            dtype=tgt.compute_dtype,
+            param_dtype=tgt.weight_dtype,
+        )
+        self.layers_0 = DraftDecoderLayer(self.qcfg)
+        self.norm = RMSNorm(**kw)
+
+    def _states(self, hidden: Array, next_ids: Array, embed) -> Array:
+        d = self.target.hidden_size
+        _check(
+            hidden.shape[-1] == d,
+            f"MTP-1 context features are the target's final hidden states (last dim {d}); "
+            f"got last dim {hidden.shape[-1]}",
+        )
+        e = embed_tokens(embed, next_ids, d, self.qcfg.compute_dtype)
+        return self.eh_proj(jnp.concatenate([self.hnorm(hidden), self.enorm(e)], axis=-1))
+
+    def train_forward(self, context_feats, tokens, valid, embed, lm_head):
+        """``context_feats [S, T, d]`` (target final hidden), ``tokens [S, T]``, ``valid [S, T]``
+        -> logits ``[S, T, V]``; position t predicts the token at ``t + 2``."""
+        s, t = tokens.shape
+        _check(
+            context_feats.shape[:2] == (s, t),
+            f"context_feats {context_feats.shape} vs tokens {tokens.shape}",
+        )
+        _check(valid.shape == (s, t), f"valid must be {(s, t)}, got {valid.shape}")
+        states = self._states(context_feats, shift_left(tokens.astype(jnp.int32), 1), embed)
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (s, t))
+        layer = self.layers_0
+        h, _ = layer(layer.attn_input(states), states, pos, [], "block", causal_mask(valid))
+        return apply_lm_head(lm_head, self.norm(h), self.target.vocab_size)
+
+    def draft(
+        self,
+        context_feats: Array,
+        ctx_len: Array,
+        anchor_tokens: Array,
+        rng: Array,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        embed=None,
+        lm_head=None,
+        context_tokens: Array | None = None,
+    ) -> DraftOutput:
+        """One draft token per slot: ``DraftOutput`` with ``tokens [R, 1]``, ``probs [R, 1, V]``.
+
+        ``context_feats [R, M, d]`` / ``context_tokens [R, M]``: final hidden states and
+        tokens of committed positions ``0..ctx_len-1`` (``ctx_len >= 1``); anchor at
+        ``ctx_len``. The token uses ``split(rng, 1)[0]`` (same convention as DSpark).
+        """
+        r, m = context_feats.shape[:2]
+        _check(context_tokens is not None, "MTP-1 draft needs context_tokens [R, M]")
+        _check(
+            context_tokens.shape == (r, m),
+            f"context_tokens must be {(r, m)}, got {context_tokens.shape}",
+        )
+        _check(ctx_len.shape == (r,), f"ctx_len must be [{r}], got {ctx_len.shape}")
+        _check(
+            anchor_tokens.shape == (r,), f"anchor_tokens must be [{r}], got {anchor_tokens.shape}"
+        )
+        _check(embed is not None and lm_head is not None, "draft needs embed and lm_head")
+        ctx_len = ctx_len.astype(jnp.int32)
+        states = self._states(
+            context_feats, next_tokens(context_tokens, anchor_tokens, ctx_len), embed
+        )
+        pos = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (r, m))
+        layer = self.layers_0
+        k_all, v_all = layer.context_kv(layer.attn_input(states), pos)
+        last = ctx_len - 1
+        q_state = _gather_rows(states, last)
+        h, _ = layer(
+            layer.attn_input(q_state),
+            q_state,
+            last[:, None],
+            [(k_all, v_all, (pos < ctx_len[:, None])[:, None, :])],
+            "none",
+        )
+        logits = apply_lm_head(lm_head, self.norm(h), self.target.vocab_size)  # [R, 1, V]
+        probs = process_logits(logits[:, 0], temperature, top_k, top_p)
+        tok = sample(jax.random.split(rng, 1)[0], probs)
+        p_tok = jnp.take_along_axis(probs, tok[:, None], axis=-1)
+        return DraftOutput(tok[:, None], p_tok, probs[:, None], None)

@@ -1,0 +1,415 @@
+"""Drafters: config, shapes, visibility, packing, sampling, heads, baselines."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.decode.sampling import process_logits, sample
+from dspark_jax.models.backbone import apply_lm_head
+from dspark_jax.models.drafter_config import DrafterConfig, default_taps, eagle3_default_taps
+from dspark_jax.models.drafters import feature_dim, init_drafter_params, make_drafter
+from dspark_jax.models.qwen3 import Qwen3Config
+from dspark_jax.sharding import LOGICAL_RULES
+
+TGT = Qwen3Config(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    rope_theta=10_000.0,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+GAMMA = 4
+MASK = 5
+
+
+def _drafter(**kw):
+    d, boxed = _drafter_boxed(**kw)
+    return d, nn.unbox(boxed)
+
+
+def _drafter_boxed(**kw):
+    return _drafter_cached(tuple(sorted(kw.items())))
+
+
+@functools.cache
+def _drafter_cached(items):
+    base = dict(kind="dspark", gamma=GAMMA, num_layers=1, mask_token_id=MASK, markov_rank=8)
+    base.update(dict(items))
+    d = make_drafter(DrafterConfig(**base), TGT)
+    return d, init_drafter_params(d, jax.random.key(0))
+
+
+_process = jax.jit(process_logits, static_argnames=("top_k",))
+_sample = jax.jit(sample)
+
+
+@functools.cache
+def _target_io():
+    k1, k2 = jax.random.split(jax.random.key(7))
+    embed = jax.random.normal(k1, (TGT.vocab_size, TGT.hidden_size))
+    lm_head = jax.random.normal(k2, (TGT.hidden_size, TGT.vocab_size)) * 0.3
+    return embed, lm_head
+
+
+_JITS = {}
+
+
+def _cached_jit(kind):
+    """One jitted function per (drafter, entry point): compiles are the slow part on CPU."""
+
+    def deco(builder):
+        def get(d):
+            key = (kind, id(d))
+            if key not in _JITS:
+                _JITS[key] = builder(d)
+            return _JITS[key]
+
+        return get
+
+    return deco
+
+
+@_cached_jit("train")
+def _train_fn(d):
+    embed, lm = _target_io()
+
+    @jax.jit
+    def f(p, feats, valid, toks, seq, anchor):
+        return d.apply(
+            {"params": p},
+            feats,
+            valid,
+            toks,
+            seq,
+            anchor,
+            embed,
+            lm,
+            return_hidden=True,
+            method="train_forward",
+        )
+
+    return f
+
+
+@_cached_jit("draft")
+def _draft_fn(d):
+    embed, lm = _target_io()
+
+    @functools.partial(jax.jit, static_argnames=("top_k",))
+    def f(p, feats, ctx_len, anchors, rng, temperature, top_k=0, context_tokens=None):
+        return d.apply(
+            {"params": p},
+            feats,
+            ctx_len,
+            anchors,
+            rng,
+            temperature,
+            top_k,
+            1.0,
+            embed,
+            lm,
+            context_tokens=context_tokens,
+            method="draft",
+        )
+
+    return f
+
+
+def _packed_batch(f_dim, s=2, t=12, n=5, seed=1):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    feats = jax.random.normal(ks[0], (s, t, f_dim))
+    valid = jnp.ones((s, t), bool).at[1, t - 2 :].set(False)
+    toks = jax.random.randint(ks[1], (n, GAMMA), 0, TGT.vocab_size)
+    seq = jnp.array([0, 1, 0, 1, 1][:n], jnp.int32)
+    anchor = jnp.array([3, 4, 7, 0, 9][:n], jnp.int32)
+    return feats, valid, toks, seq, anchor
+
+
+# -- config --------------------------------------------------------------------------------
+
+
+def test_default_taps():
+    assert default_taps(36) == [1, 9, 17, 25, 33]
+    assert default_taps(40) == [1, 10, 19, 28, 37]
+    assert default_taps(6) == [1, 2, 3]
+    assert default_taps(3) == [0, 1]
+    assert eagle3_default_taps(36) == [2, 18, 33]
+    with pytest.raises(ValueError, match="no tappable layer"):
+        default_taps(1)
+
+
+def test_config_json_roundtrip_and_resolve(tmp_path):
+    cfg = DrafterConfig(kind="dspark", mask_token_id=MASK, head="rnn", rnn_rank=16)
+    path = tmp_path / "drafter.json"
+    cfg.save(path)
+    assert DrafterConfig.load(path) == cfg
+    r = cfg.resolve(TGT)
+    assert r.taps == (1, 2, 3) and r.num_layers == 5 and r.head == "rnn" and r.confidence
+    assert DrafterConfig.from_json(r.to_json()) == r
+    assert DrafterConfig(kind="dflash", mask_token_id=1).resolve(TGT).head == "none"
+    assert DrafterConfig(kind="dspark", markov_rank=0, mask_token_id=1).resolve(TGT).head == "none"
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(kind="medusa"), "kind must be one of"),
+        (dict(gamma=0), "gamma must be a positive integer"),
+        (dict(head="lstm"), "head must be one of"),
+        (dict(taps=[3, 1]), "strictly increasing"),
+        (dict(kind="mtp1", gamma=3), "gamma must be 1"),
+        (dict(kind="dflash", confidence=True), "no confidence head"),
+        (dict(markov_rank=-1), "markov_rank must be an integer >= 0"),
+    ],
+)
+def test_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        DrafterConfig(**kw)
+
+
+def test_config_resolve_errors(tmp_path):
+    with pytest.raises(ValueError, match="needs mask_token_id"):
+        DrafterConfig(kind="dspark").resolve(TGT)
+    with pytest.raises(ValueError, match="outside the target vocabulary"):
+        DrafterConfig(kind="dspark", mask_token_id=64).resolve(TGT)
+    with pytest.raises(ValueError, match="out of range"):
+        DrafterConfig(kind="dspark", mask_token_id=1, taps=(1, 5)).resolve(TGT)
+    with pytest.raises(ValueError, match="Unknown DrafterConfig key"):
+        DrafterConfig.from_dict({"kind": "dspark", "block": 7})
+    with pytest.raises(FileNotFoundError):
+        DrafterConfig.load(tmp_path / "missing.json")
+
+
+def test_params_have_logical_names():
+    rules = dict(LOGICAL_RULES)
+    # Same configs as the other tests (cached), covering every parameter kind.
+    for kw in (
+        dict(head="rnn", rnn_rank=8),
+        dict(head="gated", rnn_rank=8),
+        dict(kind="eagle3", num_layers=1, mask_token_id=None),
+        dict(kind="mtp1", gamma=1, num_layers=1, mask_token_id=None),
+    ):
+        _, boxed = _drafter_boxed(**kw)
+        leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+        for leaf in leaves:
+            assert isinstance(leaf, nn.Partitioned), f"unnamed parameter {leaf}"
+            assert len(leaf.names) == leaf.value.ndim
+            assert all(n in rules for n in leaf.names), leaf.names
+
+
+# -- DSpark / DFlash -----------------------------------------------------------------------
+
+
+def test_dspark_shapes_and_bad_input():
+    d, p = _drafter()
+    f_dim = feature_dim(d.config, TGT)
+    feats, valid, toks, seq, anchor = _packed_batch(f_dim)
+    logits, conf, h = _train_fn(d)(p, feats, valid, toks, seq, anchor)
+    assert logits.shape == (5, GAMMA, TGT.vocab_size) and logits.dtype == jnp.float32
+    assert conf.shape == (5, GAMMA) and h.shape == (5, GAMMA, TGT.hidden_size)
+    out = _draft_fn(d)(p, feats, jnp.array([3, 7]), jnp.array([1, 2]), jax.random.key(0), 1.0)
+    assert out.tokens.shape == (2, GAMMA) and out.probs.shape == (2, GAMMA, TGT.vocab_size)
+    assert out.confidence.shape == (2, GAMMA)
+    np.testing.assert_allclose(np.asarray(out.probs.sum(-1)), 1.0, atol=1e-5)
+    with pytest.raises(ValueError, match="expected 3 taps"):
+        _train_fn(d)(p, feats[..., :-1], valid, toks, seq, anchor)
+    with pytest.raises(ValueError, match="block_tokens must be"):
+        _train_fn(d)(p, feats, valid, toks[:, :2], seq, anchor)
+
+
+def test_block_visibility():
+    """A block sees only its own sequence's context strictly before its anchor + its block."""
+    d, p = _drafter(head="rnn", rnn_rank=8)
+    f = _train_fn(d)
+    feats, valid, toks, seq, anchor = _packed_batch(feature_dim(d.config, TGT))
+    base, conf0, _ = f(p, feats, valid, toks, seq, anchor)
+    n = 2  # sequence 0, anchor 7
+    noise = 5.0 * jnp.ones_like(feats[0, 0])
+    # Forbidden: own sequence at/after the anchor, the other sequence, other blocks' tokens.
+    for s_, t_ in [(0, 7), (0, 11), (1, 2)]:
+        out, c, _ = f(p, feats.at[s_, t_].add(noise), valid, toks, seq, anchor)
+        np.testing.assert_allclose(np.asarray(out[n]), np.asarray(base[n]), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(c[n]), np.asarray(conf0[n]), atol=1e-5)
+    out, _, _ = f(p, feats, valid, toks.at[0].set((toks[0] + 1) % 64), seq, anchor)
+    np.testing.assert_allclose(np.asarray(out[n]), np.asarray(base[n]), atol=1e-5)
+    # Allowed: own sequence before the anchor; the anchor token itself.
+    out, _, _ = f(p, feats.at[0, 6].add(noise), valid, toks, seq, anchor)
+    assert np.abs(np.asarray(out[n] - base[n])).max() > 1e-3
+    out, _, _ = f(p, feats.at[0, 0].add(noise), valid, toks, seq, anchor)
+    assert np.abs(np.asarray(out[n] - base[n])).max() > 1e-3
+    out, _, _ = f(p, feats, valid, toks.at[n, 0].set((toks[n, 0] + 1) % 64), seq, anchor)
+    assert np.abs(np.asarray(out[n] - base[n])).max() > 1e-3
+    # Padding columns are never visible (block 4: sequence 1, anchor 9 > invalid 10, 11).
+    out, _, _ = f(p, feats, valid.at[1, 10].set(True), toks, seq, anchor)
+    np.testing.assert_allclose(np.asarray(out[4]), np.asarray(base[4]), atol=1e-5)
+
+
+def test_packed_equals_unpacked():
+    d, p = _drafter()
+    f = _train_fn(d)
+    feats, valid, toks, seq, anchor = _packed_batch(feature_dim(d.config, TGT))
+    packed, conf, _ = f(p, feats, valid, toks, seq, anchor)
+    for n in range(toks.shape[0]):
+        s_ = int(seq[n])
+        one, c1, _ = f(
+            p,
+            feats[s_ : s_ + 1],
+            valid[s_ : s_ + 1],
+            toks[n : n + 1],
+            jnp.zeros((1,), jnp.int32),
+            anchor[n : n + 1],
+        )
+        np.testing.assert_allclose(np.asarray(one[0]), np.asarray(packed[n]), atol=2e-5)
+        np.testing.assert_allclose(np.asarray(c1[0]), np.asarray(conf[n]), atol=2e-5)
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn", "gated"])
+def test_scan_sampling_matches_stepwise_reference(head):
+    """The jitted scan equals a Python loop that re-runs the teacher-forced forward on its
+    own samples with the same keys: same tokens, same p_d, same confidences."""
+    d, p = _drafter(head=head, rnn_rank=8)
+    f_dim = feature_dim(d.config, TGT)
+    feats, valid, _, _, _ = _packed_batch(f_dim, s=3)
+    ctx_len = jnp.array([3, 9, 10], jnp.int32)
+    anchors = jnp.array([11, 12, 13], jnp.int32)
+    rng = jax.random.key(42)
+    temperature = jnp.array([1.0, 0.7, 0.0])
+    out = _draft_fn(d)(p, feats, ctx_len, anchors, rng, temperature, top_k=8)
+    keys = jax.random.split(rng, GAMMA)
+    train = _train_fn(d)
+    block = jnp.zeros((3, GAMMA), jnp.int32).at[:, 0].set(anchors)
+    valid_all = jnp.ones(feats.shape[:2], bool)
+    for k in range(GAMMA):
+        logits, conf, _ = train(p, feats, valid_all, block, jnp.arange(3), ctx_len)
+        probs = _process(logits[:, k], temperature, top_k=8)
+        tok = _sample(keys[k], probs)
+        np.testing.assert_array_equal(np.asarray(out.tokens[:, k]), np.asarray(tok))
+        np.testing.assert_allclose(np.asarray(out.probs[:, k]), np.asarray(probs), atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(out.confidence_logits[:, k]), np.asarray(conf[:, k]), atol=1e-4
+        )
+        if k + 1 < GAMMA:
+            block = block.at[:, k + 1].set(tok)
+    picked = jnp.take_along_axis(out.probs, out.tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(out.token_probs), np.asarray(picked), atol=1e-6)
+    # Greedy row: every draft is the argmax of its distribution.
+    assert bool(jnp.all(out.tokens[2] == jnp.argmax(out.probs[2], -1)))
+
+
+def test_markov_rank0_is_backbone():
+    d8, p8 = _drafter(markov_rank=8)
+    d0, _ = _drafter(markov_rank=0, confidence=False)
+    dfl, _ = _drafter(kind="dflash")
+    p0 = {"backbone": p8["backbone"]}
+    feats, valid, toks, seq, anchor = _packed_batch(feature_dim(d8.config, TGT))
+    l8, _, h8 = _train_fn(d8)(p8, feats, valid, toks, seq, anchor)
+    l0, c0, _ = _train_fn(d0)(p0, feats, valid, toks, seq, anchor)
+    lf, cf, _ = _train_fn(dfl)(p0, feats, valid, toks, seq, anchor)
+    backbone_logits = apply_lm_head(_target_io()[1], h8, TGT.vocab_size)
+    assert c0 is None and cf is None
+    np.testing.assert_allclose(np.asarray(l0), np.asarray(backbone_logits), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lf), np.asarray(backbone_logits), atol=1e-5)
+    assert np.abs(np.asarray(l8 - backbone_logits)).max() > 1e-4  # the head does something
+    # Without a head the draft distribution at each position ignores earlier samples.
+    out = _draft_fn(dfl)(p0, feats, jnp.array([4, 6]), jnp.array([1, 2]), jax.random.key(3), 1.0)
+    ref = jax.nn.softmax(_dflash_ref(dfl, p0, feats), -1)
+    np.testing.assert_allclose(np.asarray(out.probs), np.asarray(ref), atol=1e-5)
+
+
+def _dflash_ref(d, p, feats):
+    # Teacher-forced logits of blocks at anchors 4 and 6 with arbitrary later tokens.
+    toks = jnp.array([[1, 9, 9, 9], [2, 8, 8, 8]], jnp.int32)
+    logits, _, _ = _train_fn(d)(
+        p, feats, jnp.ones(feats.shape[:2], bool), toks, jnp.arange(2), jnp.array([4, 6])
+    )
+    return logits
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_confidence_non_anticipation(head):
+    d, p = _drafter(head=head, rnn_rank=8)
+    feats, valid, toks, seq, anchor = _packed_batch(feature_dim(d.config, TGT))
+    f = _train_fn(d)
+    _, base, _ = f(p, feats, valid, toks, seq, anchor)
+    for k in range(1, GAMMA):  # change the token that output k-1 predicts (= x_{k-1} of k)
+        _, c, _ = f(p, feats, valid, toks.at[:, k].set((toks[:, k] + 7) % 64), seq, anchor)
+        np.testing.assert_allclose(np.asarray(c[:, :k]), np.asarray(base[:, :k]), atol=1e-6)
+        assert np.abs(np.asarray(c[:, k] - base[:, k])).min() > 1e-6
+
+
+# -- EAGLE-3 and MTP-1 ---------------------------------------------------------------------
+
+
+def _seq_case(d, seed=5):
+    s, t = 2, 10
+    ks = jax.random.split(jax.random.key(seed), 2)
+    feats = jax.random.normal(ks[0], (s, t, feature_dim(d.config, TGT)))
+    tokens = jax.random.randint(ks[1], (s, t), 0, TGT.vocab_size)
+    return feats, tokens
+
+
+def test_eagle3_train_and_draft_consistency():
+    d, p = _drafter(kind="eagle3", num_layers=1, mask_token_id=None)
+    embed, lm = _target_io()
+    feats, tokens = _seq_case(d)
+    c = jnp.array([3, 5], jnp.int32)
+    anchors = tokens[jnp.arange(2), c]
+    out = _draft_fn(d)(p, feats, c, anchors, jax.random.key(1), 1.0, context_tokens=tokens)
+    assert out.tokens.shape == (2, GAMMA) and out.confidence_logits is None
+    # Teacher-force the sampled drafts after the anchor: step i at t = c-1 must reproduce
+    # the distribution the drafter sampled token i from.
+    seq = tokens
+    for r in range(2):
+        seq = seq.at[r, int(c[r]) + 1 : int(c[r]) + 1 + GAMMA].set(out.tokens[r])
+    train = jax.jit(
+        lambda p_, f_, t_, v_: d.apply(
+            {"params": p_}, f_, t_, v_, embed, lm, method="train_forward"
+        )
+    )
+    logits = train(p, feats, seq, jnp.ones(seq.shape, bool))
+    assert logits.shape == (GAMMA, 2, 10, TGT.vocab_size)
+    for r in range(2):
+        ref = jax.nn.softmax(logits[:, r, int(c[r]) - 1], -1)
+        np.testing.assert_allclose(np.asarray(out.probs[r]), np.asarray(ref), atol=1e-5)
+    # Context features at/after the anchor position are invisible to the draft.
+    out2 = _draft_fn(d)(
+        p, feats.at[:, 5:].add(3.0), c, anchors, jax.random.key(1), 1.0, context_tokens=tokens
+    )
+    np.testing.assert_allclose(np.asarray(out2.probs), np.asarray(out.probs), atol=1e-6)
+    # Step i of training does not see tokens beyond t + 1 + i.
+    l2 = train(p, feats, seq.at[:, 8:].set(0), jnp.ones(seq.shape, bool))
+    np.testing.assert_allclose(np.asarray(l2[0, :, :6]), np.asarray(logits[0, :, :6]), atol=1e-5)
+
+
+def test_mtp1_train_and_draft_consistency():
+    d, p = _drafter(kind="mtp1", gamma=1, num_layers=1, mask_token_id=None)
+    embed, lm = _target_io()
+    feats, tokens = _seq_case(d)
+    assert feats.shape[-1] == TGT.hidden_size
+    c = jnp.array([4, 9], jnp.int32)
+    anchors = tokens[jnp.arange(2), c]
+    out = _draft_fn(d)(p, feats, c, anchors, jax.random.key(2), 0.0, context_tokens=tokens)
+    assert out.tokens.shape == (2, 1) and out.probs.shape == (2, 1, TGT.vocab_size)
+    logits = d.apply(
+        {"params": p},
+        feats,
+        tokens,
+        jnp.ones(tokens.shape, bool),
+        embed,
+        lm,
+        method="train_forward",
+    )
+    assert logits.shape == (2, 10, TGT.vocab_size)
+    for r in range(2):
+        assert int(out.tokens[r, 0]) == int(jnp.argmax(logits[r, int(c[r]) - 1]))
+    with pytest.raises(ValueError, match="needs context_tokens"):
+        _draft_fn(d)(p, feats, c, anchors, jax.random.key(2), 0.0)
