@@ -1,0 +1,313 @@
+"""``python -m dspark_jax.eval {acceptance,calibrate,plot}`` (see ``dspark_jax.eval``)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="Hugging Face Qwen3 directory (target)")
+    p.add_argument(
+        "--prompts",
+        required=True,
+        action="append",
+        metavar="FILE.jsonl",
+        help="prompt set (JSON lines with 'turns'); repeatable",
+    )
+    p.add_argument(
+        "--gamma",
+        type=int,
+        default=None,
+        help="drafts verified per round (default: the drafter's draft length)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, default=None, help="first N prompts of each file")
+    p.add_argument("--slots", type=int, default=8, help="request slots per decode round")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-prompt-tokens", type=int, default=512, help="longer prompts keep their last N tokens"
+    )
+    p.add_argument(
+        "--prompt-style",
+        default="auto",
+        choices=("auto", "raw", "code", "docstring", "comment"),
+        help="how first turns are rendered for a base code model",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dspark_jax.eval",
+        description="Offline evaluation: accepted length, calibration (STS), diagrams.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    a = sub.add_parser("acceptance", help="τ, position-wise acceptance, calibration metrics")
+    _add_common(a)
+    a.add_argument(
+        "--drafter",
+        required=True,
+        action="append",
+        metavar="DIR",
+        help="drafter directory; repeatable (compared side by side)",
+    )
+    a.add_argument(
+        "--temperature",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="sampling temperature(s); 0 = greedy verification",
+    )
+    a.add_argument("--out", required=True, help="results JSON (a .rounds.npz is written beside)")
+
+    c = sub.add_parser("calibrate", help="fit STS temperatures; writes <drafter>/sts.json")
+    _add_common(c)
+    c.add_argument("--drafter", required=True, metavar="DIR")
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument(
+        "--split-fraction",
+        type=float,
+        default=0.5,
+        help="first fraction of each prompt file fits, the rest reports",
+    )
+    c.add_argument("--bins", type=int, default=20, help="ECE bins (DESIGN §5.3: 20)")
+
+    p = sub.add_parser("plot", help="PNG diagrams from an acceptance results.json")
+    p.add_argument("--results", required=True)
+    p.add_argument("--out-dir", required=True)
+    return parser
+
+
+def _load_sets(args):
+    from dspark_jax.eval.prompts import load_prompts
+
+    sets = {}
+    for path in args.prompts:
+        ps = load_prompts(path, args.limit, args.prompt_style)
+        name = ps[0].set_name
+        if name in sets:
+            raise ValueError(f"two prompt files share the set name {name!r}: {path}")
+        sets[name] = ps
+    return sets
+
+
+def _check_common(args):
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.slots < 1:
+        raise ValueError(f"--slots must be >= 1, got {args.slots}")
+    if args.gamma is not None and args.gamma < 1:
+        raise ValueError(f"--gamma must be >= 1, got {args.gamma}")
+
+
+def cmd_acceptance(args) -> int:
+    from dspark_jax.eval import acceptance as acc
+
+    _check_common(args)
+    for t in args.temperature:
+        if not math.isfinite(t) or t < 0:
+            raise ValueError(f"--temperature must be finite and >= 0, got {t}")
+    sets = _load_sets(args)
+    target = acc.load_target(args.target)
+    labels = [Path(d).name or d for d in args.drafter]
+    if len(set(labels)) != len(labels):  # same directory name in different places
+        labels = [f"{i}:{lab}" for i, lab in enumerate(labels)]
+    drafters = [
+        acc.load_drafter_spec(d, target.config, lab) for d, lab in zip(args.drafter, labels)
+    ]
+    entries, arrays = acc.evaluate(
+        target,
+        drafters,
+        sets,
+        temperatures=args.temperature,
+        gamma=args.gamma,
+        max_new_tokens=args.max_new_tokens,
+        slots=args.slots,
+        seed=args.seed,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
+    meta = acc.run_metadata(target, drafters, vars(args))
+    meta["prompt_sets"] = {
+        n: {"file": str(f), "num_prompts": len(ps)}
+        for (n, ps), f in zip(sets.items(), args.prompts)
+    }
+    out, rounds_file = acc.write_results(args.out, entries, arrays, meta)
+    print(f"wrote {out} and {rounds_file}")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from dspark_jax.eval import acceptance as acc
+    from dspark_jax.eval import calibration as cal
+    from dspark_jax.eval.prompts import split_prompts
+
+    _check_common(args)
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ValueError(f"--temperature must be finite and >= 0, got {args.temperature}")
+    if args.bins < 2:
+        raise ValueError(f"--bins must be >= 2, got {args.bins}")
+    sets = _load_sets(args)
+    fit_prompts, held_prompts = [], []
+    for ps in sets.values():
+        f, h = split_prompts(ps, args.split_fraction)
+        fit_prompts += f
+        held_prompts += h
+    target = acc.load_target(args.target)
+    spec = acc.load_drafter_spec(args.drafter, target.config)
+    if not spec.has_confidence:
+        raise ValueError(
+            f"drafter {args.drafter} ({spec.config.kind}) has no confidence head; STS "
+            "calibrates DSpark confidences only"
+        )
+    g = acc.effective_gamma(spec, args.gamma)
+    prompts = fit_prompts + held_prompts
+    room = target.config.max_position_embeddings - args.max_new_tokens - g - 2
+    if room < 1:
+        raise ValueError(
+            f"--max-new-tokens {args.max_new_tokens} + gamma {g} leaves no room for a prompt "
+            f"in the target's {target.config.max_position_embeddings} positions"
+        )
+    ids = acc.encode_prompts(target.tokenizer, prompts, min(args.max_prompt_tokens, room))
+    max_len = max(len(p) for p in ids) + args.max_new_tokens + g + 2
+    dec = acc.make_decoder(
+        target, spec, gamma=g, temperature=args.temperature, slots=args.slots, max_len=max_len
+    )
+    rec = acc.collect_rounds(
+        dec,
+        ids,
+        gamma=g,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
+    n_fit = len(fit_prompts)
+    fit = rec.subset(range(n_fit))
+    held = rec.subset(range(n_fit, len(prompts))) if held_prompts else None
+    res = cal.fit_sts(fit.logits, fit.accepted, fit.verified, n_bins=args.bins)
+    # Positions beyond --gamma were never verified: they keep T = 1.
+    pad = spec.draft_len - g
+    res = cal.STSResult(
+        res.temperatures + [1.0] * pad,
+        res.fitted + [False] * pad,
+        res.ece_before + [math.nan] * pad,
+        res.ece_after + [math.nan] * pad,
+        res.num_samples + [0] * pad,
+    )
+    temps = np.asarray(res.temperatures[:g])
+
+    def report(r):
+        if r is None or r.accepted.size == 0:
+            return None
+        before = cal.calibration_report(r.logits, r.accepted, r.verified, None, args.bins)
+        after = cal.calibration_report(r.logits, r.accepted, r.verified, temps, args.bins)
+        return [
+            {
+                "position": b["position"],
+                "n": b["n"],
+                "ece_before": b["ece"],
+                "ece_after": a["ece"],
+                "auroc_before": b["auroc"],
+                "auroc_after": a["auroc"],
+                "brier_before": b["brier"],
+                "brier_after": a["brier"],
+            }
+            for b, a in zip(before, after)
+        ]
+
+    fit_report, held_report = report(fit), report(held)
+    data = {
+        "target": args.target,
+        "drafter": args.drafter,
+        "prompt_files": args.prompts,
+        "prompt_style": args.prompt_style,
+        "split_fraction": args.split_fraction,
+        "fit_prompts": [f"{p.set_name}[{p.index}]" for p in fit_prompts],
+        "heldout_prompts": [f"{p.set_name}[{p.index}]" for p in held_prompts],
+        "fit_rounds": int(fit.accepted.size),
+        "heldout_rounds": 0 if held is None else int(held.accepted.size),
+        "temperature": args.temperature,
+        "gamma": g,
+        "max_new_tokens": args.max_new_tokens,
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "slots": args.slots,
+        "seed": args.seed,
+        "bins": args.bins,
+        "scheduler": "fixed",
+    }
+    arrays = {
+        "fit_logits": fit.logits.astype(np.float32),
+        "fit_accepted": fit.accepted,
+        "fit_verified": fit.verified,
+        "fit_prompt_index": fit.prompt_index,
+    }
+    if held is not None:
+        arrays.update(
+            heldout_logits=held.logits.astype(np.float32),
+            heldout_accepted=held.accepted,
+            heldout_verified=held.verified,
+            heldout_prompt_index=held.prompt_index,
+        )
+    path = cal.save_sts(
+        args.drafter, res, heldout=held_report, fit_report=fit_report, data=data, arrays=arrays
+    )
+
+    def pct(x):
+        return "   -  " if x is None or not math.isfinite(x) else f"{100 * x:5.2f}%"
+
+    print(
+        f"STS fit on {len(fit_prompts)} prompts ({fit.accepted.size} rounds); "
+        f"reported on {len(held_prompts)} held-out prompts"
+    )
+    print(" k      T   ECE fit before/after   ECE held-out before/after   AUROC held-out")
+    for k in range(g):
+        h = held_report[k] if held_report else None
+        print(
+            f"{k + 1:2d} {res.temperatures[k]:6.3f}   {pct(res.ece_before[k])} / "
+            f"{pct(res.ece_after[k])}        {pct(h and h['ece_before'])} / "
+            f"{pct(h and h['ece_after'])}          "
+            f"{'-' if not h or h['auroc_after'] is None else format(h['auroc_after'], '.3f')}"
+        )
+    edge = [k + 1 for k in range(g) if res.fitted[k] and _at_grid_edge(res.temperatures[k])]
+    if edge:
+        print(
+            f"note: T at the edge of the search grid for position(s) {edge}: temperature "
+            "alone cannot calibrate these (e.g. logits near 0 with acceptance far from 1/2)"
+        )
+    print(f"wrote {path}")
+    return 0
+
+
+def _at_grid_edge(t: float) -> bool:
+    from dspark_jax.eval.calibration import COARSE_GRID
+
+    return math.isclose(t, COARSE_GRID[0], rel_tol=1e-6) or math.isclose(
+        t, COARSE_GRID[-1], rel_tol=1e-6
+    )
+
+
+def cmd_plot(args) -> int:
+    from dspark_jax.eval.plots import plot_results
+
+    for p in plot_results(args.results, args.out_dir):
+        print(p)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"acceptance": cmd_acceptance, "calibrate": cmd_calibrate, "plot": cmd_plot}[
+            args.command
+        ](args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

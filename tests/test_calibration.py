@@ -1,0 +1,135 @@
+"""STS: logit recovery, fitting on synthetic overconfident scores, sts.json round trip."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dspark_jax.eval import calibration as cal
+from dspark_jax.eval import metrics as M
+
+GAMMA = 4
+
+
+def _synthetic(n, sharpen, seed):
+    """Rounds whose true conditional acceptance probability at k is σ(q_k); the "model"
+    reports logits ``sharpen · q_k`` (sharpen > 1: overconfident). Returns (z, accepted)."""
+    rng = np.random.default_rng(seed)
+    q = rng.normal(0.8, 1.5, (n, GAMMA))
+    ok = rng.random((n, GAMMA)) < 1 / (1 + np.exp(-q))
+    accepted = np.where(ok.all(1), GAMMA, np.argmin(ok, axis=1))  # first rejection
+    return sharpen * q, accepted
+
+
+def _ece_per_position(z, accepted, temps=None):
+    return np.array([p["ece"] for p in cal.calibration_report(z, accepted, temperatures=temps)])
+
+
+def test_logits_recovered_from_float32_survival():
+    rng = np.random.default_rng(1)
+    z = rng.uniform(-8, 8, (500, GAMMA))
+    surv = np.cumprod(1 / (1 + np.exp(-z)), axis=1).astype(np.float32)
+    np.testing.assert_allclose(cal.logits_from_survival(surv), z, atol=5e-3)
+    # Underflowed prefix: c is undefined and reported as 1/2 (logit 0), never NaN.
+    back = cal.logits_from_survival(np.array([[0.0, 0.0, 0.0, 0.0]], np.float32))
+    assert np.all(np.isfinite(back))
+
+
+def test_sts_lowers_ece_on_overconfident_scores_and_keeps_order():
+    z, acc = _synthetic(6000, sharpen=3.0, seed=0)
+    res = cal.fit_sts(z, acc)
+    temps = np.array(res.temperatures)
+    assert all(res.fitted)
+    # The generating process is σ(z / 3): each fitted temperature should be near 3.
+    assert np.all((temps > 1.8) & (temps < 4.5)), temps
+    assert np.all(np.array(res.ece_after) < np.array(res.ece_before) - 0.02)
+    # Held-out data from the same process: calibration improves there too.
+    z2, acc2 = _synthetic(6000, sharpen=3.0, seed=1)
+    before, after = _ece_per_position(z2, acc2), _ece_per_position(z2, acc2, temps)
+    assert np.all(after < before - 0.02), (before, after)
+    assert after.max() < 0.03
+    # Monotone per position: the ranking of c_k across rounds is unchanged ...
+    c_raw, c_sts = cal.apply_sts(z2, np.ones(GAMMA)), cal.apply_sts(z2, temps)
+    for k in range(GAMMA):
+        np.testing.assert_array_equal(
+            np.argsort(c_raw[:, k], kind="stable"), np.argsort(c_sts[:, k], kind="stable")
+        )
+    # ... so the position-1 AUROC (a_1 = c_1) is identical.
+    labels = acc2 >= 1
+    assert M.auroc(c_raw[:, 0], labels) == pytest.approx(M.auroc(c_sts[:, 0], labels))
+
+
+def test_sts_fit_is_sequential():
+    """T_k is fitted on the product with the *calibrated* earlier positions."""
+    z, acc = _synthetic(4000, sharpen=3.0, seed=2)
+    res = cal.fit_sts(z, acc)
+    temps = np.array(res.temperatures)
+    a = cal.survival_from_logits(z, temps)
+    labels, observed = M.prefix_labels(acc, GAMMA)
+    for k in range(GAMMA):
+        assert res.ece_after[k] == pytest.approx(M.ece(a[:, k], labels[:, k]))
+        # Perturbing T_k alone cannot beat the fitted value by more than grid resolution.
+        for f in (0.8, 1.25):
+            t = temps.copy()
+            t[k] *= f
+            a_p = cal.survival_from_logits(z, t)
+            assert M.ece(a_p[:, k], labels[:, k]) >= res.ece_after[k] - 1e-3
+
+
+def test_sts_keeps_calibrated_scores_near_one():
+    z, acc = _synthetic(6000, sharpen=1.0, seed=3)
+    res = cal.fit_sts(z, acc)
+    assert np.all((np.array(res.temperatures) > 0.7) & (np.array(res.temperatures) < 1.4))
+
+
+def test_unobserved_positions_keep_unit_temperature():
+    # Every round verified only one draft and accepted it: positions 2..4 have no labels.
+    z = np.random.default_rng(0).normal(size=(50, GAMMA))
+    res = cal.fit_sts(z, np.ones(50, int), np.ones(50, int))
+    assert res.fitted == [True, False, False, False]
+    assert res.temperatures[1:] == [1.0, 1.0, 1.0]
+    assert res.num_samples == [50, 0, 0, 0]
+
+
+def test_save_and_load_sts(tmp_path):
+    assert cal.load_sts(tmp_path) is None  # no file: caller uses temperatures of 1
+    z, acc = _synthetic(500, sharpen=2.0, seed=4)
+    res = cal.fit_sts(z, acc)
+    path = cal.save_sts(
+        tmp_path, res, data={"prompts": "synthetic"}, arrays={"logits": z, "accepted": acc}
+    )
+    assert path == tmp_path / "sts.json"
+    temps = cal.load_sts(tmp_path, GAMMA)
+    np.testing.assert_allclose(temps, res.temperatures, rtol=1e-6)
+    assert temps.dtype == np.float32
+    payload = json.loads(path.read_text())
+    assert payload["fit"]["num_samples"] == res.num_samples
+    assert payload["data"]["arrays_file"] == "sts_data.npz"
+    assert (tmp_path / "sts_data.npz").is_file()
+    with pytest.raises(ValueError, match="drafts 7 tokens"):
+        cal.load_sts(tmp_path, 7)
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"x": 1}', "temperatures"),
+        ('{"temperatures": [1.0, -2.0, 1.0, 1.0]}', "> 0"),
+    ],
+)
+def test_load_sts_bad_files(tmp_path, content, match):
+    (tmp_path / "sts.json").write_text(content)
+    with pytest.raises(ValueError, match=match):
+        cal.load_sts(tmp_path)
+
+
+def test_fit_sts_bad_input():
+    with pytest.raises(ValueError, match="non-empty"):
+        cal.fit_sts(np.zeros((0, 3)), [])
+    with pytest.raises(ValueError, match="NaN"):
+        cal.fit_sts(np.full((2, 3), np.nan), [0, 1])
+    with pytest.raises(ValueError, match="rounds"):
+        cal.fit_sts(np.zeros((2, 3)), [0, 1, 2])
+    with pytest.raises(ValueError, match="temperatures"):
+        cal.apply_sts(np.zeros((2, 3)), [1.0, 1.0])
