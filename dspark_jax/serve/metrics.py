@@ -1,0 +1,100 @@
+"""Prometheus metrics of the serving engine (``GET /metrics``, DESIGN §6).
+
+Each server gets its own ``CollectorRegistry`` so several servers (tests) can live in one
+process. Counters and histograms are fed by the engine thread through the listener hooks
+``on_round`` / ``on_finish``; gauges (queue depth, busy slots, compilations after warm-up)
+are read from the engine when scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+_ROUND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class EngineMetrics:
+    """Listener for ``Engine`` plus HTTP-level counters."""
+
+    def __init__(self, engine=None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "dspark_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.rejected = Counter(
+            "dspark_requests_rejected",
+            "Requests rejected before admission (invalid, queue_full, shutting_down)",
+            ["reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("dspark_prompt_tokens", "Prompt tokens", registry=r)
+        self.completion_tokens = Counter("dspark_completion_tokens", "Generated tokens", registry=r)
+        self.rounds = Counter("dspark_rounds", "Decode rounds run", registry=r)
+        self.round_seconds = Histogram(
+            "dspark_round_seconds", "Wall time per decode round", buckets=_ROUND_BUCKETS, registry=r
+        )
+        self.tau = Histogram(
+            "dspark_accepted_length",
+            "Tokens emitted per slot per round (tau, bonus token included)",
+            buckets=tuple(range(1, 17)),
+            registry=r,
+        )
+        self.budget = Histogram(
+            "dspark_verify_budget",
+            "Compiled verify budget K (draft tokens) per round",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+            registry=r,
+        )
+        self.verified = Histogram(
+            "dspark_verified_drafts",
+            "Draft tokens actually sent to the target per round",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+            registry=r,
+        )
+        self.last_tau = Gauge("dspark_tau", "Mean tau of the last round", registry=r)
+        self.queue_depth = Gauge("dspark_queue_depth", "Requests waiting for a slot", registry=r)
+        self.active_slots = Gauge("dspark_active_slots", "Slots owned by a request", registry=r)
+        self.compilations = Gauge(
+            "dspark_compilations_after_warmup",
+            "Executables compiled after warm-up (should stay 0)",
+            registry=r,
+        )
+        self.engine_up = Gauge("dspark_engine_up", "1 while the engine loop runs", registry=r)
+        if engine is not None:
+            self.attach(engine)
+
+    def attach(self, engine) -> None:
+        self.queue_depth.set_function(lambda: engine.queue_depth)
+        self.active_slots.set_function(lambda: engine.active_slots)
+        self.compilations.set_function(lambda: engine.compilations_after_warmup)
+        self.engine_up.set_function(lambda: 1.0 if engine.running else 0.0)
+
+    # -- engine listener hooks (engine thread) ---------------------------------------------
+    def on_round(self, seconds: float, budget: int, taus, verified: int) -> None:
+        self.rounds.inc()
+        self.round_seconds.observe(seconds)
+        self.budget.observe(budget)
+        self.verified.observe(verified)
+        for t in taus:
+            self.tau.observe(t)
+        if taus:
+            self.last_tau.set(sum(taus) / len(taus))
+
+    def on_finish(self, result) -> None:
+        self.requests.labels(result.finish_reason).inc()
+        self.prompt_tokens.inc(result.prompt_tokens)
+        self.completion_tokens.inc(result.completion_tokens)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+__all__ = ["EngineMetrics"]

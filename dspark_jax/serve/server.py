@@ -1,0 +1,380 @@
+"""OpenAI-compatible HTTP API over the serving engine (FastAPI + uvicorn, DESIGN §6).
+
+Endpoints: ``POST /v1/completions`` (JSON or SSE streaming), ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus text).
+
+Errors use the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``: 400 for
+invalid input (the field is named in ``param``), 404 for an unknown model, 429 when the
+admission queue is full, 503 while shutting down. Request bodies are parsed by hand (not
+by pydantic models) so every message names the offending field in OpenAI's format.
+
+Shutdown (SIGTERM/SIGINT): ``DrainingServer`` first stops the engine from accepting new
+requests (503), then lets uvicorn's graceful shutdown wait for in-flight HTTP requests,
+which keep being served by the still-running engine; the lifespan hook finally drains and
+stops the engine. A client that disconnects (streaming or not) cancels its request, which
+frees its slot at the next round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dspark_jax.serve.engine import (
+    Delta,
+    Engine,
+    EngineClosed,
+    InvalidRequest,
+    QueueFull,
+    Result,
+    SamplingParams,
+)
+from dspark_jax.serve.metrics import EngineMetrics
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; pass 0 for greedy
+_UNSUPPORTED = ("suffix", "echo", "logprobs", "best_of", "logit_bias")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or "invalid_request_error"
+        self.code = code
+
+
+def _error_body(message: str, kind: str, param=None, code=None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(_error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
+
+
+def parse_completion_request(body: Any, model_name: str) -> tuple[Any, SamplingParams, dict]:
+    """Validate a ``/v1/completions`` body: ``(prompt, params, options)`` or ``APIError``."""
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise APIError(
+            404,
+            f"model {model!r} does not exist; this server serves {model_name!r}",
+            "model",
+            code="model_not_found",
+        )
+    if "prompt" not in body:
+        raise APIError(400, "prompt is required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # the OpenAI client may send a one-element batch
+    if not isinstance(prompt, str):
+        raise APIError(400, "prompt must be a string (batched prompts are not supported)", "prompt")
+    for name in _UNSUPPORTED:
+        if body.get(name) not in (None, False, 0, ""):
+            raise APIError(400, f"{name} is not supported by this server", name)
+    n = body.get("n", 1)
+    if n != 1 or isinstance(n, bool):
+        raise APIError(400, f"n must be 1 (one completion per request), got {n!r}", "n")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, f"stream must be a boolean, got {stream!r}", "stream")
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list):
+        stop = tuple(stop)
+    top_k = body.get("top_k", 0)
+    if top_k == -1 and not isinstance(top_k, bool):
+        top_k = 0  # vLLM's spelling of "off"
+    params = SamplingParams(
+        max_tokens=_or_default(body, "max_tokens", DEFAULT_MAX_TOKENS),
+        temperature=_or_default(body, "temperature", DEFAULT_TEMPERATURE),
+        top_k=top_k,
+        top_p=_or_default(body, "top_p", 1.0),
+        stop=stop,
+        seed=body.get("seed"),
+    )
+    options = {
+        "stream": stream,
+        "include_usage": bool((body.get("stream_options") or {}).get("include_usage", False))
+        if isinstance(body.get("stream_options"), dict | None)
+        else False,
+    }
+    return prompt, params, options
+
+
+def _or_default(body: dict, name: str, default):
+    v = body.get(name)
+    return default if v is None else v
+
+
+def _usage(res: Result) -> dict[str, int]:
+    return {
+        "prompt_tokens": res.prompt_tokens,
+        "completion_tokens": res.completion_tokens,
+        "total_tokens": res.prompt_tokens + res.completion_tokens,
+    }
+
+
+def _dspark_info(res: Result) -> dict[str, float]:
+    """Non-standard extension: per-request speculation statistics."""
+    return {
+        "rounds": res.rounds,
+        "accepted_length": res.mean_accepted_length,
+        "verified_per_round": res.mean_verified,
+    }
+
+
+def create_app(
+    engine: Engine,
+    model_name: str | None = None,
+    metrics: EngineMetrics | None = None,
+    shutdown_engine: bool = True,
+) -> FastAPI:
+    """The FastAPI app for a started ``engine``. With ``shutdown_engine`` the app's
+    lifespan drains and stops the engine when the server shuts down."""
+    name = model_name or engine.config.model_name
+    metrics = metrics or EngineMetrics()
+    metrics.attach(engine)
+    engine.listener = metrics
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        if shutdown_engine:
+            await asyncio.to_thread(engine.shutdown, True)
+
+    app = FastAPI(title="dspark_jax", lifespan=lifespan)
+    app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, name
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(_error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, exc: Exception):
+        return JSONResponse(
+            _error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"),
+            status_code=500,
+        )
+
+    @app.get("/health")
+    async def health():
+        if engine.failure is not None:
+            return JSONResponse({"status": "failed", "error": engine.failure}, status_code=503)
+        if not engine.accepting:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return {
+            "status": "ok",
+            "active_slots": engine.active_slots,
+            "queue_depth": engine.queue_depth,
+        }
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [{"id": name, "object": "model", "created": created, "owned_by": "dspark_jax"}],
+        }
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        try:
+            raw = await request.body()
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise APIError(400, f"request body is not valid JSON: {e}") from e
+            prompt, params, options = parse_completion_request(body, name)
+            try:
+                handle = engine.submit(prompt, params, loop=asyncio.get_running_loop())
+            except InvalidRequest as e:
+                raise APIError(400, str(e), e.param) from e
+            except QueueFull as e:
+                metrics.rejected.labels("queue_full").inc()
+                raise APIError(429, str(e), kind="rate_limit_error", code="queue_full") from e
+            except EngineClosed as e:
+                metrics.rejected.labels("shutting_down").inc()
+                raise APIError(503, str(e), kind="service_unavailable") from e
+        except APIError as e:
+            if e.status in (400, 404):
+                metrics.rejected.labels("invalid").inc()
+            return _error(e)
+
+        rid = "cmpl-" + uuid.uuid4().hex[:24]
+        if options["stream"]:
+            return StreamingResponse(
+                _stream(handle, rid, name, options["include_usage"]),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        return await _complete(request, handle, rid, name)
+
+    return app
+
+
+def _chunk(rid: str, model: str, text: str, finish, usage=None, extra=None) -> str:
+    obj = {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
+    }
+    if usage is not None:
+        obj["usage"] = usage
+    if extra is not None:
+        obj["dspark"] = extra
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _stream(handle, rid: str, model: str, include_usage: bool):
+    """SSE: one chunk per decode round with new text, a final chunk with the finish reason
+    (and usage), then ``data: [DONE]``. A disconnect cancels the request (``finally``)."""
+    try:
+        async for ev in handle.aevents():
+            if isinstance(ev, Delta):
+                if ev.text:
+                    yield _chunk(rid, model, ev.text, None)
+                continue
+            if ev.finish_reason in ("stop", "length"):
+                yield _chunk(rid, model, "", ev.finish_reason, _usage(ev), _dspark_info(ev))
+                if include_usage:
+                    obj = {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": int(time.time()),
+                        "model": model,
+                        "choices": [],
+                        "usage": _usage(ev),
+                    }
+                    yield f"data: {json.dumps(obj)}\n\n"
+            else:
+                msg = ev.error or f"request ended: {ev.finish_reason}"
+                yield f"data: {json.dumps(_error_body(msg, 'server_error'))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        if not handle.done.is_set():
+            handle.cancel()
+
+
+async def _complete(request: Request, handle, rid: str, model: str) -> Response:
+    task = asyncio.ensure_future(handle.aresult())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                break
+            if await request.is_disconnected():
+                handle.cancel()
+                task.cancel()
+                return Response(status_code=499)
+    finally:
+        if not handle.done.is_set():
+            handle.cancel()
+    res: Result = task.result()
+    if res.finish_reason not in ("stop", "length"):
+        status = 503 if res.finish_reason == "abort" else 500
+        return _error(
+            APIError(
+                status, res.error or f"request ended: {res.finish_reason}", kind="server_error"
+            )
+        )
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [
+                {"text": res.text, "index": 0, "logprobs": None, "finish_reason": res.finish_reason}
+            ],
+            "usage": _usage(res),
+            "dspark": _dspark_info(res),
+        }
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# running
+# ------------------------------------------------------------------------------------------
+class DrainingServer(uvicorn.Server):
+    """uvicorn server whose exit signal first closes the engine to new requests, then
+    performs uvicorn's graceful shutdown (in-flight requests finish)."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine.begin_drain()
+        super().handle_exit(sig, frame)
+
+
+def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, **kw) -> DrainingServer:
+    config = uvicorn.Config(app, host=host, port=port, log_level=kw.pop("log_level", "info"), **kw)
+    return DrainingServer(config, app.state.engine)
+
+
+class BackgroundServer:
+    """Run an app on a free loopback port in a thread (tests, benchmarks)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.server = make_server(app, host, self.port, log_level="warning")
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("HTTP server failed to start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Graceful shutdown, as on SIGTERM."""
+        self.server.handle_exit(None, None)
+        self.thread.join(timeout)
+
+
+__all__ = [
+    "APIError",
+    "BackgroundServer",
+    "DrainingServer",
+    "create_app",
+    "make_server",
+    "parse_completion_request",
+]

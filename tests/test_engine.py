@@ -1,0 +1,225 @@
+"""Serving engine on tiny random models: greedy == autoregressive greedy, stop strings,
+cancellation, bounded queue, no compilation after warm-up, seeded reproducibility."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import time
+
+import numpy as np
+import pytest
+
+from dspark_jax.data.tokenizer_train import train_bpe_tokenizer
+from dspark_jax.decode.autoregressive import generate
+from dspark_jax.serve.engine import (
+    Delta,
+    Engine,
+    EngineConfig,
+    InvalidRequest,
+    QueueFull,
+    Result,
+    SamplingParams,
+    tiny_random_models,
+)
+
+MAX_LEN = 32
+SLOTS = 4
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "class Greeter:\n    def hello(self, name):\n        return f'hi {name}'\n",
+] * 20
+PROMPTS = [
+    "def add(a, b):",
+    "for i in range",
+    "class Greeter:\n    def hello(self, name):\n        return 1",
+    "x",
+    "print(i * i)",
+    "return a + b\nfor",
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tok = train_bpe_tokenizer(TEXTS, vocab_size=300, out_path=tmp_path_factory.mktemp("tok"))
+    target, tp, drafter, dp = tiny_random_models(tok, "dspark", gamma=3, max_len=MAX_LEN)
+    cfg = EngineConfig(
+        num_slots=SLOTS,
+        max_len=MAX_LEN,
+        scheduler="topk",
+        max_queue=8,
+        verify_buckets=(6,),
+        sps_repeats=2,
+    )
+    engine = Engine(target, tp, tok, drafter, dp, cfg).start()
+    yield tok, target, tp, engine
+    engine.shutdown(drain=False, timeout=30)
+
+
+def _run_all(engine, prompts, params_list, timeout=120):
+    """Submit everything (waiting whenever the bounded queue is full); return results."""
+    handles, i = [], 0
+    deadline = time.monotonic() + timeout
+    while i < len(prompts):
+        try:
+            handles.append(engine.submit(prompts[i], params_list[i]))
+            i += 1
+        except QueueFull:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    return [h.result(timeout) for h in handles]
+
+
+def _wait_idle(engine, timeout=30):
+    deadline = time.monotonic() + timeout
+    while engine.active_slots or engine.queue_depth:
+        assert time.monotonic() < deadline, "engine never went idle (slot leak?)"
+        time.sleep(0.01)
+
+
+def test_warmup_compiles_every_bucket(setup):
+    *_, engine = setup
+    assert engine.prompt_buckets == (16, 32)
+    assert engine.verify_buckets == (6, 12)
+    assert engine.sps_table is not None and len(engine.sps_table.buckets) == 2
+    assert engine.compilations_after_warmup == 0
+
+
+def test_greedy_matches_autoregressive(setup):
+    tok, target, tp, engine = setup
+    n_new = 12
+    results = _run_all(engine, PROMPTS, [SamplingParams(max_tokens=n_new)] * len(PROMPTS))
+    ids = [tok.encode(p) for p in PROMPTS]
+    assert max(len(x) for x in ids) > 16  # both prefill buckets are exercised
+    ref = generate(target, tp, ids, n_new, eos_id=tok.eos_id, max_len=MAX_LEN)
+    for res, want, p in zip(results, ref.tokens, ids):
+        assert res.token_ids == want
+        assert res.prompt_tokens == len(p)
+        assert res.completion_tokens == len(want)
+        assert res.finish_reason == ("stop" if want[-1] == tok.eos_id else "length")
+        if res.finish_reason == "length":
+            assert res.text == tok.decode(want, skip_special_tokens=True)
+    assert sum(r.rounds for r in results) < sum(r.completion_tokens for r in results)
+
+
+def test_streamed_deltas_add_up(setup):
+    tok, _, _, engine = setup
+    h = engine.submit("def add(a, b):", SamplingParams(max_tokens=10))
+    events = list(h.events(timeout=60))
+    deltas = [e for e in events if isinstance(e, Delta)]
+    res = events[-1]
+    assert isinstance(res, Result)
+    assert "".join(d.text for d in deltas) == res.text
+    assert [t for d in deltas for t in d.token_ids] == res.token_ids
+
+
+def test_stop_string_truncates_output(setup):
+    tok, _, _, engine = setup
+    base = engine.generate("for i in range", SamplingParams(max_tokens=14), timeout=60)
+    text = base.text
+    # A stop string that occurs after the first character of the greedy output.
+    i = next(k for k in range(1, len(text)) if text[k].isascii() and text[k].isprintable())
+    stop = text[i]
+    got = engine.generate(
+        "for i in range", SamplingParams(max_tokens=14, stop=("@@none@@", stop)), timeout=60
+    )
+    cut = text.find(stop)
+    assert got.finish_reason == "stop"
+    assert got.text == text[:cut]
+    assert stop not in got.text
+    assert got.token_ids == base.token_ids[: len(got.token_ids)]
+    assert got.completion_tokens == len(got.token_ids) <= len(base.token_ids)
+
+
+def test_cancellation_frees_slots(setup):
+    tok, _, _, engine = setup
+    long = SamplingParams(max_tokens=MAX_LEN - 8, temperature=1.0)
+    handles = [engine.submit("x", long) for _ in range(SLOTS + 2)]
+    for h in handles[:-1]:
+        h.cancel()
+    results = [h.result(60) for h in handles]
+    assert all(r.finish_reason == "cancelled" for r in results[:-1])
+    assert results[-1].finish_reason in ("stop", "length")
+    _wait_idle(engine)
+    time.sleep(0.05)
+    assert not np.asarray(engine._state.active).any()  # released on the device too
+    # The slots are usable again.
+    assert engine.generate("x", SamplingParams(max_tokens=3), timeout=60).completion_tokens >= 1
+
+
+def test_queue_full_raises_and_loses_nothing(setup):
+    tok, _, _, engine = setup
+    accepted, rejected = [], 0
+    for _ in range(40):
+        try:
+            accepted.append(engine.submit("def", SamplingParams(max_tokens=16)))
+        except QueueFull as e:
+            rejected += 1
+            assert "queue is full" in str(e)
+    assert rejected > 0
+    results = [h.result(120) for h in accepted]
+    assert all(r.finish_reason in ("stop", "length") for r in results)
+    _wait_idle(engine)
+
+
+def test_invalid_requests_name_the_field(setup):
+    *_, engine = setup
+    cases = [
+        (SamplingParams(max_tokens=0), "max_tokens"),
+        (SamplingParams(max_tokens=10**6), "max_tokens"),
+        (SamplingParams(max_tokens=2.5), "max_tokens"),
+        (SamplingParams(temperature=-1.0), "temperature"),
+        (SamplingParams(temperature="hot"), "temperature"),
+        (SamplingParams(top_p=0.0), "top_p"),
+        (SamplingParams(top_k=-3), "top_k"),
+        (SamplingParams(stop=("",)), "stop"),
+        (SamplingParams(stop=("a", "b", "c", "d", "e")), "stop"),
+        (SamplingParams(seed="x"), "seed"),
+    ]
+    for params, field in cases:
+        with pytest.raises(InvalidRequest, match=field) as info:
+            engine.submit("x", params)
+        assert info.value.param == field
+    with pytest.raises(InvalidRequest, match="at most 30 tokens") as info:
+        engine.submit(list(range(3, 3 + MAX_LEN)), SamplingParams())
+    assert info.value.param == "prompt"
+    with pytest.raises(InvalidRequest, match="empty"):
+        engine.submit("", SamplingParams())
+
+
+def test_seeded_request_alone_is_reproducible(setup):
+    *_, engine = setup
+    _wait_idle(engine)
+    time.sleep(0.05)
+    p = SamplingParams(max_tokens=12, temperature=1.0, seed=1234)
+    a = engine.generate("def add", p, timeout=60)
+    _wait_idle(engine)
+    time.sleep(0.05)
+    b = engine.generate("def add", p, timeout=60)
+    assert a.token_ids == b.token_ids
+
+
+def test_no_compilation_after_warmup_over_many_requests(setup):
+    tok, _, _, engine = setup
+    rng = np.random.default_rng(0)
+    prompts, params = [], []
+    for i in range(60):
+        n = int(rng.integers(1, MAX_LEN - 3))
+        prompts.append([int(x) for x in rng.integers(3, tok.vocab_size, size=n)])
+        params.append(
+            SamplingParams(
+                max_tokens=int(rng.integers(1, 10)),
+                temperature=float(rng.choice([0.0, 0.7, 1.3])),
+                top_k=int(rng.choice([0, 5])),
+                top_p=float(rng.choice([1.0, 0.9])),
+                stop=("e",) if i % 7 == 0 else (),
+            )
+        )
+    results = _run_all(engine, prompts, params)
+    assert all(r.finish_reason in ("stop", "length") for r in results)
+    for r, p in zip(results, params):
+        assert 1 <= r.completion_tokens <= p.max_tokens
+    assert engine.compilations_after_warmup == 0
+    assert engine.stats.rounds > 0 and engine.stats.mean_tau >= 1.0
+    _wait_idle(engine)
