@@ -1,5 +1,7 @@
-"""Checkpoint interop: Hugging Face Qwen3 directories <-> dspark_jax parameter trees."""
+"""Checkpoint interop: Hugging Face Qwen3 directories and DeepSpec drafter checkpoints
+<-> dspark_jax parameter trees."""
 
+from dspark_jax.convert.deepspec import load_deepspec_drafter, save_deepspec_drafter
 from dspark_jax.convert.hf_qwen3 import (
     hf_state_dict_to_params,
     hf_tensor_shapes,
@@ -11,6 +13,8 @@ from dspark_jax.convert.hf_qwen3 import (
 )
 
 __all__ = [
+    "load_deepspec_drafter",
+    "save_deepspec_drafter",
     "hf_state_dict_to_params",
     "hf_tensor_shapes",
     "load_hf",
