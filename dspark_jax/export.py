@@ -1,0 +1,110 @@
+"""Export a trained target from a training workdir as a Hugging Face Qwen3 directory.
+
+    python -m dspark_jax.export --workdir DIR --out OUT [--step N] [--dtype bfloat16]
+
+Reads ``DIR/config.json`` (written by ``train.py``), restores the chosen checkpoint (the
+latest by default) and writes ``config.json``, ``generation_config.json``,
+``model.safetensors`` (``dspark_jax.convert.save_hf``) and the run's ``tokenizer.json``
+into ``OUT``, so the result loads like any Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from typing import Any
+
+import ml_collections
+
+
+def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+    from dspark_jax.train.trainer import CONFIG_FILE
+
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} not found: --workdir must be a directory written by train.py"
+        )
+    with open(path) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+def restore_params(workdir: str, step: int | None = None) -> tuple[Any, Any, int, Any]:
+    """``(cfg, model_config, step, params)`` of a workdir's checkpoint, on one device."""
+    import jax
+
+    from dspark_jax import sharding as shd
+    from dspark_jax.train.checkpoint import Checkpointer
+    from dspark_jax.train.state import TrainState
+    from dspark_jax.train.trainer import CHECKPOINT_DIR, build_state_spec, make_task
+
+    cfg = load_run_config(workdir)
+    task = make_task(cfg)
+    if task.name != "lm":
+        raise ValueError(
+            f"{workdir} trained task {task.name!r}; only 'lm' (target) runs export to a "
+            "Hugging Face Qwen3 directory"
+        )
+    model_config = task.model_config()
+    ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
+    if not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"No checkpoints in {workdir} (expected {ckpt_dir})")
+    ckpt = Checkpointer(ckpt_dir, keep=cfg.train.keep_checkpoints, use_async=False)
+    try:
+        steps = ckpt.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"No finished checkpoint in {ckpt_dir}")
+        if step is None:
+            step = max(steps)
+        elif step not in steps:
+            raise ValueError(f"No checkpoint for step {step} in {ckpt_dir}; available: {steps}")
+        mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+        with jax.set_mesh(mesh), shd.rules_context(mesh):
+            spec = build_state_spec(task, cfg, mesh)
+            abstract = spec.abstract.to_dict()
+            ckpt.check_compatible(step, abstract)
+            state = TrainState.from_dict(ckpt.restore(step, abstract))
+    finally:
+        ckpt.close()
+    return cfg, model_config, step, state.params
+
+
+def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat16") -> dict:
+    from dspark_jax.convert import save_hf
+
+    cfg, model_config, step, params = restore_params(workdir, step)
+    # The exported config describes the architecture; precision is the file dtype.
+    model_config = model_config.replace(dtype="float32", param_dtype="float32")
+    written = save_hf(out, model_config, params, dtype=dtype)
+    tok = cfg.data.tokenizer
+    if not tok or not os.path.isfile(tok):
+        raise FileNotFoundError(f"Tokenizer of the run not found: {tok!r} (data.tokenizer)")
+    dst = os.path.join(out, "tokenizer.json")
+    shutil.copyfile(tok, dst)
+    written.append(dst)
+    return {"step": step, "out": os.path.abspath(out), "dtype": dtype, "files": written}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dspark_jax.export", description=__doc__)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    args = p.parse_args(argv)
+    from dspark_jax.config import ConfigError
+
+    try:
+        report = export(args.workdir, args.out, args.step, args.dtype)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Training loop, checkpoint/resume and export, on a tiny corpus built with the real pipeline."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from dspark_jax.config import ConfigError, load_config
+from dspark_jax.train import read_metrics, train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "configs", "target_tiny.py")
+# Small, stable stdlib modules: a deterministic corpus of real Python code.
+_STDLIB_FILES = ("abc", "bisect", "colorsys", "copy", "heapq", "keyword", "numbers",
+                 "queue", "shlex", "string", "textwrap", "this", "fnmatch", "glob")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from dspark_jax.data import TRAIN, make_text_dataset, prepare_corpus, train_bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("corpus")
+    src = root / "src"
+    src.mkdir()
+    stdlib = sysconfig.get_paths()["stdlib"]
+    for name in _STDLIB_FILES:
+        shutil.copy(os.path.join(stdlib, name + ".py"), src / (name + ".py"))
+    data_dir = root / "data"
+    prepare_corpus("source_tree", str(src), str(data_dir))
+    texts = (r["text"] for r in make_text_dataset(str(data_dir), TRAIN, shuffle=False))
+    tok = train_bpe_tokenizer(texts, 320, out_path=str(data_dir / "tokenizer.json"))
+    return str(data_dir), str(tok.path)
+
+
+def _overrides(corpus, **kw):
+    data_dir, tok = corpus
+    out = [("data.data_dir", data_dir), ("data.tokenizer", tok)]
+    out += [(k.replace("__", "."), str(v)) for k, v in kw.items()]
+    return out
+
+
+def _cfg(corpus, **kw):
+    return load_config(TINY, _overrides(corpus, **kw))
+
+
+def _losses(workdir):
+    return {m["step"]: m["loss"] for m in read_metrics(workdir) if m["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def one_device_run(corpus, tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("run1"))
+    summary = train(_cfg(corpus), workdir, devices=jax.devices()[:1], progress=False)
+    return workdir, summary
+
+
+def test_loss_decreases_and_sharded_run_matches(corpus, one_device_run, tmp_path):
+    workdir1, summary = one_device_run
+    cfg = _cfg(corpus)
+    losses1 = _losses(workdir1)
+    assert sorted(losses1) == list(range(1, cfg.train.steps + 1))
+    first = np.mean([losses1[s] for s in range(1, 6)])
+    last = np.mean([losses1[s] for s in range(cfg.train.steps - 4, cfg.train.steps + 1)])
+    assert last < first - 0.5, (first, last)
+    evals = [m for m in read_metrics(workdir1) if m["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [20, 40]
+    assert evals[-1]["heldout_loss"] < evals[0]["heldout_loss"]
+    assert np.isclose(evals[-1]["heldout_perplexity"], np.exp(evals[-1]["heldout_loss"]))
+    assert summary["tokens_per_s"] > 0
+
+    # Same run on a 2x2x2 (data, fsdp, tensor) mesh of 8 fake devices.
+    assert len(jax.devices()) == 8
+    cfg8 = _cfg(corpus, mesh__data=2, mesh__fsdp=2, mesh__tensor=2)
+    train(cfg8, str(tmp_path), progress=False)
+    losses8 = _losses(str(tmp_path))
+    a = np.array([losses1[s] for s in sorted(losses1)])
+    b = np.array([losses8[s] for s in sorted(losses8)])
+    np.testing.assert_allclose(a, b, rtol=0, atol=2e-3)
+
+
+def _cli(workdir, *extra):
+    return [sys.executable, "train.py", "--config", TINY, "--workdir", workdir,
+            "--no-progress", *extra]  # fmt: skip
+
+
+def test_kill_and_resume_replays_the_same_losses(corpus, tmp_path):
+    env = dict(os.environ)
+    # One CPU device: fastest to compile; sharded equivalence is tested above.
+    env["XLA_FLAGS"] = " ".join(
+        f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f
+    )
+    # Reuse compiled steps across the three processes (same program, same binary).
+    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax_cache")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    steps = 100
+    extra = [f"--config.{k}={v}" for k, v in _overrides(corpus)]
+    extra += [f"--config.train.steps={steps}", "--config.train.checkpoint_every=25",
+              "--config.train.eval_every=0"]  # fmt: skip
+
+    ref = str(tmp_path / "ref")
+    subprocess.run(_cli(ref, *extra), cwd=REPO, env=env, check=True, capture_output=True)
+    ref_losses = _losses(ref)
+    assert sorted(ref_losses) == list(range(1, steps + 1))
+
+    work = str(tmp_path / "killed")
+    proc = subprocess.Popen(
+        _cli(work, *extra), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    ckpt_dir = os.path.join(work, "checkpoints")
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        done = [d for d in os.listdir(ckpt_dir) if d.isdigit()] if os.path.isdir(ckpt_dir) else []
+        if done:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "training finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(m["step"] for m in read_metrics(work)) if read_metrics(work) else 0
+    assert killed_at < steps
+
+    out = subprocess.run(_cli(work, *extra), cwd=REPO, env=env, check=True, capture_output=True)
+    assert '"resumed": true' in out.stdout.decode()
+    resumed = _losses(work)
+    assert sorted(resumed) == list(range(1, steps + 1))
+    for s in range(1, steps + 1):
+        assert resumed[s] == ref_losses[s], (s, resumed[s], ref_losses[s])
+
+
+def test_resume_with_a_different_model_shape_fails_clearly(corpus, one_device_run):
+    workdir, _ = one_device_run
+    cfg = _cfg(corpus, model__hidden_size=32)
+    with pytest.raises(ValueError) as e:
+        train(cfg, workdir, devices=jax.devices()[:1], progress=False)
+    msg = str(e.value)
+    assert "does not match the configured model" in msg
+    assert "params/embed_tokens/embedding" in msg
+    assert "(320, 64)" in msg and "(320, 32)" in msg
+
+
+def test_export_writes_a_loadable_hf_directory(corpus, one_device_run, tmp_path):
+    from dspark_jax.convert import load_hf
+    from dspark_jax.export import main as export_main
+    from dspark_jax.export import restore_params
+
+    workdir, _ = one_device_run
+    out = str(tmp_path / "hf")
+    assert export_main(["--workdir", workdir, "--out", out, "--dtype", "float32"]) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
+    _, model_config, step, params = restore_params(workdir)
+    assert step == 40
+    hf_config, hf_params = load_hf(out)
+    assert hf_config.vocab_size == model_config.vocab_size == 320
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+        jax.device_get(params),
+        jax.device_get(hf_params),
+    )
+
+
+def test_unknown_config_key(corpus, capsys):
+    with pytest.raises(ConfigError, match="Unknown config key 'train.stepz'"):
+        _cfg(corpus, train__stepz=3)
+    sys.path.insert(0, REPO)
+    import train as train_cli
+
+    rc = train_cli.main(["--config", TINY, "--workdir", "/nonexistent", "--config.data.seqlen=3"])
+    assert rc == 2
+    assert "Unknown config key 'data.seqlen'" in capsys.readouterr().err
+
+
+def test_seq_len_above_max_positions(corpus, tmp_path):
+    cfg = _cfg(corpus, data__seq_len=512)  # tiny preset: 256 positions
+    with pytest.raises(ValueError, match="seq_len = 512 exceeds .* max_position_embeddings = 256"):
+        train(cfg, str(tmp_path), progress=False)
+
+
+def test_batch_not_divisible_by_data_parallel_degree(corpus, tmp_path):
+    cfg = _cfg(corpus, data__batch_size=6)  # 8 devices on the data axis
+    with pytest.raises(ValueError, match="batch_size = 6 is not divisible by the data-parallel"):
+        train(cfg, str(tmp_path), progress=False)
+
+
+def test_missing_data_dir_and_tokenizer(corpus, tmp_path):
+    data_dir, tok = corpus
+    cfg = _cfg(corpus, data__data_dir=str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="Data directory not found"):
+        train(cfg, str(tmp_path / "w1"), progress=False)
+    cfg = _cfg(corpus, data__tokenizer=str(tmp_path / "nope.json"))
+    with pytest.raises(FileNotFoundError, match="Tokenizer not found"):
+        train(cfg, str(tmp_path / "w2"), progress=False)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cfg = _cfg(corpus, data__data_dir=str(empty))
+    with pytest.raises(FileNotFoundError, match="no prepared dataset"):
+        train(cfg, str(tmp_path / "w3"), progress=False)
+
+
+def test_empty_corpus(tmp_path):
+    from dspark_jax.data import prepare_corpus
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "notes.txt").write_text("no python here")
+    with pytest.raises(ValueError, match="empty corpus"):
+        prepare_corpus("source_tree", str(src), str(tmp_path / "data"))
