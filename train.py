@@ -5,6 +5,14 @@
 
 Re-running the same command on the same workdir resumes from the latest checkpoint.
 Metrics go to ``<workdir>/metrics.jsonl``; the resolved config to ``<workdir>/config.json``.
+
+Multi-host (one process per host, same command everywhere):
+    python train.py ... --coordinator HOST0:1234 --num-processes N --process-id I
+or ``--distributed`` alone on Cloud TPU / Slurm / Open MPI (auto-detected).
+
+Ahead-of-time compile for a topology, nothing allocated (no --workdir needed):
+    python train.py --config configs/drafter_dspark_qwen3_8b.py --aot --aot-devices 64 \
+        --aot-mesh 1,64,1 --aot-device-memory-gb 95 [--aot-serve --slots 64 --max-len 4096]
 """
 
 from __future__ import annotations
@@ -12,6 +20,41 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", help="checkpoints, metrics and configs (required to train)")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    g = parser.add_argument_group("multi-process (multi-host) training")
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize(); without the flags below JAX auto-detects "
+        "the cluster (Cloud TPU, Slurm, Open MPI, Kubernetes)",
+    )
+    g.add_argument("--coordinator", help="HOST:PORT of process 0 (or JAX_COORDINATOR_ADDRESS)")
+    g.add_argument("--num-processes", type=int, help="number of processes (or JAX_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, help="this process, 0..N-1 (or JAX_PROCESS_ID)")
+    a = parser.add_argument_group("ahead-of-time compilation (memory report, no allocation)")
+    a.add_argument("--aot", action="store_true", help="compile the training step and report")
+    a.add_argument(
+        "--aot-devices", type=int, help="compile for N fake CPU devices (default: real devices)"
+    )
+    a.add_argument(
+        "--aot-mesh", help="data,fsdp,tensor sizes, one may be -1 (default: the config's mesh)"
+    )
+    a.add_argument(
+        "--aot-device-memory-gb",
+        type=float,
+        default=95.0,
+        help="per-device memory to check against (95 = TPU v5p, 141 = H200)",
+    )
+    a.add_argument("--aot-serve", action="store_true", help="compile the serving decode round")
+    a.add_argument("--slots", type=int, default=64, help="--aot-serve: request slots R")
+    a.add_argument("--max-len", type=int, default=4096, help="--aot-serve: KV cache length")
+    a.add_argument("--aot-out", help="also write the report as JSON to this file")
+    return parser
 
 
 def main(argv=None) -> int:
@@ -23,25 +66,35 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", required=True, help="checkpoints, metrics and configs")
-    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    parser.add_argument(
-        "--distributed", action="store_true", help="call jax.distributed.initialize() first"
-    )
+    parser = _parser()
     args = parser.parse_args(rest)
     if spec is None:
         parser.error("--config FILE is required")
+    if args.aot_serve:
+        args.aot = True
+    if not args.aot and not args.workdir:
+        parser.error("--workdir is required (except with --aot)")
 
-    import jax
-
-    if args.distributed:
-        jax.distributed.initialize()
-    # Import the trainer first: it registers the task/precision choices the loader checks.
-    from dspark_jax.train.trainer import train
+    from dspark_jax.train import aot
+    from dspark_jax.train import distributed as dist
 
     try:
+        if args.aot:
+            # Must precede the first JAX computation: the fake devices are created then.
+            aot.configure_devices(args.aot_devices)
+        else:
+            dist.initialize(args.coordinator, args.num_processes, args.process_id, args.distributed)
+        # Import the trainer first: it registers the task/precision choices the loader checks.
+        from dspark_jax.train.trainer import train
+
         cfg = load_config(spec, overrides)
+        if args.aot:
+            report = aot.run_cli(cfg, args)
+            print(aot.format_report(report))
+            if args.aot_out:
+                with open(args.aot_out, "w") as f:
+                    json.dump(report, f, indent=2)
+            return 0
         summary = train(cfg, args.workdir, progress=not args.no_progress)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -5,7 +5,9 @@
 Reads ``DIR/config.json`` (written by ``train.py``), restores the chosen checkpoint (the
 latest by default) and writes ``config.json``, ``generation_config.json``,
 ``model.safetensors`` (``dspark_jax.convert.save_hf``) and the run's ``tokenizer.json``
-into ``OUT``, so the result loads like any Hugging Face directory.
+into ``OUT``, so the result loads like any Hugging Face directory. A drafter run
+(``task = "drafter"``) exports a ``drafter_io`` directory (``drafter_config.json``,
+``model.safetensors``) with a model card instead.
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
         return ml_collections.ConfigDict(json.load(f))
 
 
-def restore_params(workdir: str, step: int | None = None) -> tuple[Any, Any, int, Any]:
-    """``(cfg, model_config, step, params)`` of a workdir's checkpoint, on one device."""
+def restore_params(
+    workdir: str, step: int | None = None, tasks: tuple[str, ...] = ("lm",)
+) -> tuple[Any, Any, int, Any]:
+    """``(cfg, model_config, step, params)`` of a workdir's checkpoint, on one device
+    (its trainable params; ``tasks`` = the task names the caller can export)."""
     import jax
 
     from dspark_jax import sharding as shd
@@ -43,10 +48,9 @@ def restore_params(workdir: str, step: int | None = None) -> tuple[Any, Any, int
 
     cfg = load_run_config(workdir)
     task = make_task(cfg)
-    if task.name != "lm":
+    if task.name not in tasks:
         raise ValueError(
-            f"{workdir} trained task {task.name!r}; only 'lm' (target) runs export to a "
-            "Hugging Face Qwen3 directory"
+            f"{workdir} trained task {task.name!r}; this export handles {list(tasks)}"
         )
     model_config = task.model_config()
     ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
@@ -74,6 +78,11 @@ def restore_params(workdir: str, step: int | None = None) -> tuple[Any, Any, int
 
 def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat16") -> dict:
     from dspark_jax.convert import save_hf
+
+    if load_run_config(workdir).get("task") == "drafter":  # a drafter_io directory + card
+        from dspark_jax.train.drafter_task import export_drafter
+
+        return export_drafter(workdir, out, step, dtype)
 
     cfg, model_config, step, params = restore_params(workdir, step)
     # The exported config describes the architecture; precision is the file dtype.

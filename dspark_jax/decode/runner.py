@@ -3,6 +3,15 @@
 Prompts wait in a queue; a free slot gets the next prompt (prefill in a length bucket),
 every round advances all active slots, finished slots are refilled. Per sample it records
 the generated ids, the finish reason and, per round, the tokens accepted and verified.
+
+Verify budgets (compiled buckets K, draft tokens per round):
+
+* ``fixed`` / ``threshold`` / ``none``: one bucket, K = R·γ (one fused round).
+* ``topk``: dynamic top-K; K comes from the survivals of two rounds back (the host never
+  waits on the round in flight), rounded up to a bucket; one fused round per bucket.
+* ``prefix`` (synchronous Algorithm 1): with more than one bucket each round runs as
+  ``plan`` (draft + Algorithm 1) -> host reads ``Σ l`` -> ``commit`` in the smallest bucket
+  ``K >= Σ l``, so pruned tokens save real compute; with one bucket it is a fused round.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import numpy as np
 
 from dspark_jax.decode.autoregressive import length_bucket
 from dspark_jax.decode.step import FINISH_NAMES, FINISH_NONE, SpeculativeDecoder
+from dspark_jax.sched import sps as sps_lib
 from dspark_jax.sched import topk as topk_sched
 
 
@@ -65,6 +75,27 @@ def default_buckets(num_slots: int, gamma: int, count: int = 8) -> tuple[int, ..
     return tuple(sorted({max(1, (full * i) // count) for i in range(1, count + 1)}))
 
 
+def profile_decoder_sps(
+    decoder: SpeculativeDecoder,
+    budgets: Sequence[int],
+    cache_path: str | None = None,
+    key: str | None = None,
+    repeats: int = 5,
+    warmup: int = 1,
+) -> sps_lib.SPSTable:
+    """Profile ``SPS(B)`` with the decoder's own compiled rounds (``B = R + K`` per bucket),
+    through the JSON cache when ``cache_path`` is given, and install it in the decoder."""
+    fns = decoder.profile_step_fns(budgets)
+    if cache_path is None:
+        table = sps_lib.profile_sps(fns, repeats=repeats, warmup=warmup)
+    else:
+        if key is None:
+            raise ValueError("profile_decoder_sps: a cache_path needs a cache key")
+        table = sps_lib.load_or_profile(cache_path, key, fns, repeats=repeats, warmup=warmup)
+    decoder.set_sps_table(table)
+    return table
+
+
 class Runner:
     def __init__(
         self,
@@ -75,12 +106,20 @@ class Runner:
     ):
         self.decoder = decoder
         cfg = decoder.config
-        if cfg.scheduler == "topk":
-            self.buckets = tuple(buckets or default_buckets(cfg.num_slots, decoder.gamma))
-            if decoder.sps_table is None:
-                raise ValueError("scheduler 'topk' needs an SPS table")
+        if cfg.scheduler in ("topk", "prefix") and decoder.drafter is not None:
+            self.buckets = tuple(
+                sorted({int(b) for b in (buckets or default_buckets(cfg.num_slots, decoder.gamma))})
+            )
+            if not self.buckets or self.buckets[0] < 0 or self.buckets[-1] > decoder.full_budget:
+                raise ValueError(
+                    f"buckets must lie in [0, R·γ = {decoder.full_budget}]; got {self.buckets}"
+                )
+            if self.buckets[-1] != decoder.full_budget:
+                # The largest bucket must hold every draft, or a round could be trimmed.
+                self.buckets = self.buckets + (decoder.full_budget,)
         else:
             self.buckets = (decoder.full_budget,)
+        self.two_phase = cfg.scheduler == "prefix" and len(self.buckets) > 1
         self.record_details = record_details
         self.seed = seed
 
@@ -107,9 +146,29 @@ class Runner:
                 np.array([0]),
                 np.array([1.0], np.float32),
             )
-        for k in self.buckets:
-            state, out = self.decoder.round(state, k)
+        if self.two_phase:
+            plan = self.decoder.plan(state)
+            for k in self.buckets:
+                state, out = self.decoder.commit(state, plan, k)
+        else:
+            for k in self.buckets:
+                state, out = self.decoder.round(state, k)
         jax.block_until_ready(state.seq_len)
+
+    def _step(self, state, history):
+        """One round: returns ``(state, output, budget used)``."""
+        dec = self.decoder
+        if self.two_phase:
+            plan = dec.plan(state)
+            # Synchronous: the host waits for Algorithm 1's lengths, then runs the smallest
+            # compiled bucket that holds them (the largest bucket is R·γ, so one always does).
+            need = int(jax.device_get(plan.lengths).sum())
+            budget = next(k for k in self.buckets if k >= need)
+            state, out = dec.commit(state, plan, budget)
+            return state, out, budget
+        budget = self._budget(history)
+        state, out = dec.round(state, budget)
+        return state, out, budget
 
     def generate(self, requests: Sequence[Request]) -> tuple[list[SampleResult], GenerationStats]:
         dec = self.decoder
@@ -161,8 +220,7 @@ class Runner:
                         finish(slot, FINISH_NAMES[code])
             if not any(s is not None for s in slot_req):
                 continue
-            budget = self._budget(history)
-            state, out = dec.round(state, budget)
+            state, out, budget = self._step(state, history)
             out = jax.device_get(out)
             rounds += 1
             budget_sum += budget

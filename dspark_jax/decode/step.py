@@ -28,6 +28,13 @@ A round for R slots with verify budget K (one compiled function per K):
 4. Accept (greedy or rejection sampling), commit by lengths only (rejected cache entries
    stay and are overwritten later), append the features of committed positions to the
    drafter context.
+
+A round is two pure pieces: ``plan`` (steps 1-2: drafts, survival, capped lengths) and
+``commit`` (steps 3-4, compiled per K). ``round`` fuses them in one executable. The
+synchronous Algorithm-1 path (``prefix`` with several buckets, see ``Runner``) runs them as
+two executables instead: the host reads ``Σ l`` from the plan, picks the smallest compiled
+bucket ``K >= Σ l`` and verifies the *same* drafts in it, so pruning saves real compute
+(the lengths never depend on the tokens they admit, so the bucket choice stays exact).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dspark_jax.decode.sampling import process_logits, sample
 from dspark_jax.decode.verify import verify_greedy, verify_sampling
@@ -81,6 +89,18 @@ class RoundOutput(NamedTuple):
 class PrefillOutput(NamedTuple):
     first_token: Array  # [B]
     finish: Array  # [B]
+
+
+class Plan(NamedTuple):
+    """Drafts and the verification plan of one round (output of ``plan``)."""
+
+    draft_tokens: Array  # [R, G]
+    draft_probs: Array | None  # [R, G, V] processed draft distributions (sampling only)
+    confidence: Array  # [R, G]
+    survival: Array  # [R, G]
+    lengths: Array  # [R] draft tokens to verify, already capped by room / max_new
+    verify_key: Array
+    rng: Array  # the state's next key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,21 +176,51 @@ class SpeculativeDecoder:
                 f"(DSpark); this drafter is {self.kind!r}. Use 'fixed' or 'none'."
             )
         g = self.gamma
-        if config.scheduler == "prefix" and sps_table is None:
-            raise ValueError("scheduler 'prefix' needs an SPS table (profile_sps)")
-        need = config.num_slots * (g + 1) + 1
-        if sps_table is not None and len(sps_table) < need:
-            raise ValueError(f"SPS table has {len(sps_table)} entries; need {need}")
-        self.sps_table = None if sps_table is None else jnp.asarray(sps_table, jnp.float32)
+        self.table_len = config.num_slots * (g + 1) + 1
+        self._sps = None
         temps = jnp.ones((g,), jnp.float32) if sts_temperatures is None else sts_temperatures
         self.sts_temperatures = jnp.asarray(temps, jnp.float32)
         if self.sts_temperatures.shape != (g,):
             raise ValueError(f"STS temperatures must have shape [{g}], got {temps!r}")
-        # Parameters are passed as arguments (not closed over) so they are not baked into
-        # the executables as constants; the state is donated so caches update in place.
+        # Parameters (and the SPS table) are passed as arguments, not closed over, so they
+        # are not baked into the executables as constants and a re-profiled table needs no
+        # recompilation; the state is donated so caches update in place.
         self._round = jax.jit(self._round_impl, static_argnums=(2,), donate_argnums=(1,))
+        self._plan = jax.jit(self._plan_impl, static_argnums=(2,))
+        self._commit = jax.jit(self._commit_impl, static_argnums=(3,), donate_argnums=(1,))
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
-        self._params = (target_params, drafter_params)
+        self._params = (target_params, drafter_params, jnp.zeros((self.table_len,), jnp.float32))
+        if sps_table is not None:
+            self.set_sps_table(sps_table)
+
+    # -- SPS table --------------------------------------------------------------------
+    @property
+    def sps_table(self) -> Array | None:
+        """``SPS(B)`` indexed by ``B = 0 … R·(G+1)`` (``None`` until set)."""
+        return self._sps
+
+    def set_sps_table(self, table) -> None:
+        """Install a profiled table (an ``SPSTable`` or a dense array indexed by ``B``).
+
+        It is an argument of the compiled rounds, so changing it never recompiles.
+        """
+        if hasattr(table, "as_array"):
+            table = table.as_array(self.table_len)
+        arr = jnp.asarray(table, jnp.float32)
+        if arr.ndim != 1 or arr.shape[0] < self.table_len:
+            raise ValueError(
+                f"SPS table has shape {arr.shape}; need a 1-D table with >= {self.table_len} "
+                f"entries (B = 0 … R·(G+1) for R={self.config.num_slots}, G={self.gamma})"
+            )
+        self._sps = arr[: self.table_len]
+        self._params = (self._params[0], self._params[1], self._sps)
+
+    def _require_table(self) -> None:
+        if self.config.scheduler in ("prefix", "topk") and self._sps is None:
+            raise ValueError(
+                f"scheduler {self.config.scheduler!r} needs an SPS table: pass sps_table= or "
+                "call set_sps_table (see profile_step_fns / dspark_jax.sched.sps)"
+            )
 
     # -- state ------------------------------------------------------------------------
     def init_state(self, seed: int = 0) -> DecodeState:
@@ -218,7 +268,7 @@ class SpeculativeDecoder:
         self, params, state, slots, prompts, lengths, max_new, temperature, top_k, top_p
     ):
         c = self.config
-        tp, _ = params
+        tp = params[0]
         b, t = prompts.shape
         hidden, cache, taps = self.target.apply(
             {"params": tp},
@@ -268,24 +318,115 @@ class SpeculativeDecoder:
         )
         return state, PrefillOutput(first, finish)
 
+    def profile_step_fns(self, budgets, seed: int = 0) -> dict[int, Callable[[], Array]]:
+        """One zero-argument callable per verify budget ``K``, keyed by ``B = R + K``.
+
+        Each call runs the decoder's own compiled round at that bucket on a state where
+        every slot is active and exactly ``K`` drafts are verified (``topk`` through the
+        fused round, every other arm through ``plan`` + ``commit`` with the plan's lengths
+        filled to ``K``), then resets the slots so repeated calls never run out of room.
+        Feed the result to ``dspark_jax.sched.sps.profile_sps`` / ``load_or_profile``.
+        """
+        c, r, g = self.config, self.config.num_slots, self.gamma
+        if c.max_len < g + 3:
+            raise ValueError(f"max_len {c.max_len} is too small to profile γ={g} (need >= γ+3)")
+        ks = sorted({self._check_budget(k) for k in budgets})
+        if not ks:
+            raise ValueError("profile_step_fns needs at least one budget")
+        reset = dict(
+            seq_len=np.ones((r,), np.int32),
+            anchor=np.zeros((r,), np.int32),
+            active=np.ones((r,), bool),
+            remaining=np.full((r,), c.max_len, np.int32),
+            temperature=np.full((r,), 1.0 if c.sampling else 0.0, np.float32),
+        )
+
+        def fresh(st):
+            return st._replace(**{name: jnp.asarray(v) for name, v in reset.items()})
+
+        holder = [fresh(self.init_state(seed))]
+
+        def make(k):
+            # K drafts spread over the slots (sizes differ by at most one).
+            fill = jnp.asarray(np.minimum(k // r + (np.arange(r) < k % r), g).astype(np.int32))
+
+            def step():
+                st = holder[0]
+                if c.scheduler == "topk":
+                    st, out = self._round(self._params, st, k)
+                else:
+                    plan = self._plan(self._params, st, self.full_budget)
+                    st, out = self._commit(self._params, st, plan._replace(lengths=fill), k)
+                holder[0] = fresh(st)
+                return out.tokens
+
+            return step
+
+        return {r + k: make(k) for k in ks}
+
     def release(self, state: DecodeState, slot: int) -> DecodeState:
         """Free a slot (cancellation): it stops drafting/verifying from the next round."""
         return state._replace(active=state.active.at[slot].set(False))
 
     # -- one round --------------------------------------------------------------------
-    def round(self, state: DecodeState, budget: int | None = None):
-        """Run one decode round with verify budget K = ``budget`` (default: R·G)."""
+    def _check_budget(self, budget) -> int:
         k = self.full_budget if budget is None else int(budget)
         if not 0 <= k <= self.full_budget:
             raise ValueError(f"verify budget must be in [0, {self.full_budget}], got {k}")
-        return self._round(self._params, state, k)
+        return k
+
+    def round(self, state: DecodeState, budget: int | None = None):
+        """Run one decode round with verify budget K = ``budget`` (default: R·G)."""
+        self._require_table()
+        return self._round(self._params, state, self._check_budget(budget))
+
+    def plan(self, state: DecodeState, budget: int | None = None) -> Plan:
+        """Draft and schedule (no state change). ``budget`` only matters for ``topk``."""
+        self._require_table()
+        k = self._check_budget(budget) if self.config.scheduler == "topk" else self.full_budget
+        return self._plan(self._params, state, k)
+
+    def commit(self, state: DecodeState, plan: Plan, budget: int):
+        """Verify ``plan``'s drafts in a buffer of R + ``budget`` rows and commit.
+
+        ``budget`` should be ``>= plan.lengths.sum()``; a smaller one trims the plan
+        (``_cap_total``), which is exact but wastes drafts.
+        """
+        return self._commit(self._params, state, plan, self._check_budget(budget))
+
+    def _plan_impl(self, params, state: DecodeState, budget: int) -> Plan:
+        c = self.config
+        rng, draft_key, verify_key = jax.random.split(state.rng, 3)
+        draft_tokens, draft_probs, conf, _ = self._draft(params, state, draft_key)
+        survival = jnp.cumprod(conf, axis=1)
+        active = state.active
+        lengths = self._schedule(survival, active, budget, params[2])
+        # Cap by cache room and max_new so no write goes past max_len (lengths only).
+        room = jnp.maximum(c.max_len - 2 - state.seq_len, 0)
+        lengths = jnp.minimum(lengths, jnp.minimum(room, jnp.maximum(state.remaining - 1, 0)))
+        lengths = jnp.where(active, lengths, 0).astype(jnp.int32)
+        return Plan(
+            draft_tokens=draft_tokens,
+            draft_probs=draft_probs if c.sampling else None,
+            confidence=conf,
+            survival=survival,
+            lengths=lengths,
+            verify_key=verify_key,
+            rng=rng,
+        )
+
+    def _round_impl(self, params, state: DecodeState, budget: int):
+        return self._commit_impl(params, state, self._plan_impl(params, state, budget), budget)
 
     def _draft(self, params, state, key):
         g, r = self.gamma, self.config.num_slots
         if self.drafter is None:
-            zeros = jnp.zeros((r, g), jnp.int32)
-            return zeros, None, jnp.ones((r, g), jnp.float32), None
-        tp, dp = params
+            # No drafts are ever verified (l = 0); a uniform p_d keeps the shapes of the
+            # sampling verifier, which only draws the bonus token from p_t then.
+            v = self.target.config.vocab_size
+            probs = jnp.full((r, g, v), 1.0 / v, jnp.float32)
+            return jnp.zeros((r, g), jnp.int32), probs, jnp.ones((r, g), jnp.float32), None
+        tp, dp = params[0], params[1]
         out = self.drafter.apply(
             {"params": dp},
             state.ctx_feats,
@@ -306,8 +447,13 @@ class SpeculativeDecoder:
             conf = jax.nn.sigmoid(out.confidence_logits.astype(jnp.float32) / self.sts_temperatures)
         return out.tokens.astype(jnp.int32), out.probs, conf, out
 
-    def _schedule(self, survival, active, budget):
-        """Per-slot prefix lengths ``[R]`` for the configured arm (DESIGN §5.3)."""
+    def _schedule(self, survival, active, budget, sps_table):
+        """Per-slot prefix lengths ``[R]`` for the configured arm (DESIGN §5.3).
+
+        Must depend on the survival probabilities only through rules that never let a token
+        decide its own admission (DESIGN §5.4); tests override it to show a broken rule is
+        detected.
+        """
         c, g = self.config, self.gamma
         if self.drafter is None or c.scheduler == "none":
             return jnp.zeros(survival.shape[:1], jnp.int32)
@@ -318,26 +464,19 @@ class SpeculativeDecoder:
             # a is non-increasing along j, so "a >= threshold" is already a prefix.
             lengths = jnp.sum(survival >= c.threshold, axis=1).astype(jnp.int32)
         elif c.scheduler == "prefix":
-            lengths = prefix_sched.algorithm1(survival, self.sps_table, active).lengths
+            lengths = prefix_sched.algorithm1(survival, sps_table, active).lengths
         else:  # topk
             lengths = topk_sched.admit_topk(survival, budget, active).lengths
         return jnp.where(active, lengths, 0)
 
-    def _round_impl(self, params, state: DecodeState, budget: int):
+    def _commit_impl(self, params, state: DecodeState, plan: Plan, budget: int):
         c, g, r = self.config, self.gamma, self.config.num_slots
-        tp, _ = params
+        tp = params[0]
         n_rows = r + budget
-        rng, draft_key, verify_key = jax.random.split(state.rng, 3)
-        draft_tokens, draft_probs, conf, _ = self._draft(params, state, draft_key)
-        survival = jnp.cumprod(conf, axis=1)
+        draft_tokens, draft_probs = plan.draft_tokens, plan.draft_probs
+        verify_key = plan.verify_key
         active = state.active
-
-        # --- schedule, then cap by budget, cache room and max_new ----------------------
-        lengths = self._schedule(survival, active, budget)
-        room = jnp.maximum(c.max_len - 2 - state.seq_len, 0)
-        lengths = jnp.minimum(lengths, jnp.minimum(room, jnp.maximum(state.remaining - 1, 0)))
-        lengths = _cap_total(lengths, budget)
-        lengths = jnp.where(active, lengths, 0)
+        lengths = jnp.where(active, _cap_total(plan.lengths, budget), 0)
 
         # --- pack anchor + admitted drafts into R + K rows -----------------------------
         j = jnp.arange(g + 1, dtype=jnp.int32)
@@ -423,7 +562,7 @@ class SpeculativeDecoder:
             anchor=jnp.where(active, next_tok, state.anchor),
             active=active & (finish == FINISH_NONE),
             remaining=remaining,
-            rng=rng,
+            rng=plan.rng,
         )
         out = RoundOutput(
             tokens=out_tokens,
@@ -431,8 +570,8 @@ class SpeculativeDecoder:
             accepted=accepted,
             verified=lengths,
             finish=finish,
-            survival=survival,
-            confidence=conf,
+            survival=plan.survival,
+            confidence=plan.confidence,
             draft_tokens=draft_tokens,
         )
         return new_state, out
@@ -449,20 +588,6 @@ def _cap_total(lengths: Array, budget: int) -> Array:
     return jnp.clip(budget - before, 0, lengths).astype(jnp.int32)
 
 
-def make_budget_chooser(decoder: SpeculativeDecoder, buckets: tuple[int, ...]) -> Callable:
-    """Dynamic top-K's host-side budget choice from survival probabilities of an older round."""
-    import numpy as np
-
-    table = np.asarray(decoder.sps_table)
-
-    def choose(old_survival, old_active) -> int:
-        return topk_sched.choose_budget(
-            np.asarray(old_survival), table, buckets, np.asarray(old_active)
-        )
-
-    return choose
-
-
 __all__ = [
     "DecodeState",
     "RoundOutput",
@@ -471,5 +596,5 @@ __all__ = [
     "SpeculativeDecoder",
     "FINISH_NAMES",
     "SCHEDULER_MODES",
-    "make_budget_chooser",
+    "Plan",
 ]

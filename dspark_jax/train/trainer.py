@@ -32,6 +32,7 @@ import optax
 from dspark_jax import sharding as shd
 from dspark_jax.config import CHOICES, VALIDATORS, ConfigDict, ConfigError
 from dspark_jax.models.qwen3 import Qwen3Config
+from dspark_jax.train import distributed as dist
 from dspark_jax.train.checkpoint import Checkpointer
 from dspark_jax.train.optimizer import make_optimizer
 from dspark_jax.train.state import TrainState, state_shardings, with_shardings
@@ -42,7 +43,10 @@ MODEL_CONFIG_FILE = "model_config.json"
 CHECKPOINT_DIR = "checkpoints"
 
 # Task name -> "module:Class". Drafter tasks register here (``register_task``).
-TASKS: dict[str, str] = {"lm": "dspark_jax.train.lm_task:LMTask"}
+TASKS: dict[str, str] = {
+    "lm": "dspark_jax.train.lm_task:LMTask",
+    "drafter": "dspark_jax.train.drafter_task:DrafterTask",
+}
 
 
 def register_task(name: str, target: str) -> None:
@@ -107,6 +111,9 @@ def default_config() -> ConfigDict:
             "batch_size": 8,  # global, in sequences
             "seed": 0,
             "shuffle": True,
+            # Logical data shards (0 = one per process). Fix it (e.g. 8) to keep the data
+            # order independent of the number of hosts: see train/distributed.py.
+            "num_shards": 0,
         }
     )
     cfg.train = ml_collections.ConfigDict(
@@ -223,6 +230,24 @@ def build_state_spec(task: Task, cfg: ConfigDict, mesh) -> StateSpec:
     return StateSpec(tx, schedule, with_shardings(abstract, shardings), shardings, init)
 
 
+def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: optax.Schedule):
+    """The un-jitted training step ``(state, frozen, batch) -> (state, metrics)``; shared by
+    the loop and the ahead-of-time compiler (``train/aot.py``)."""
+
+    def train_step(state: TrainState, frozen, batch):
+        rng = jax.random.fold_in(state.rng, state.step)
+        grad_fn = jax.value_and_grad(task.loss_fn, has_aux=True)
+        (loss, metrics), grads = grad_fn(state.params, frozen, batch, rng)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
+                       lr=schedule(state.step))  # fmt: skip
+        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        return new, metrics
+
+    return train_step
+
+
 def _place(batch, mesh):
     if jax.process_count() == 1:
         return shd.place_batch(batch, mesh)
@@ -309,8 +334,8 @@ def train(
         spec = build_state_spec(task, cfg, mesh)
         frozen, frozen_sh = task.frozen_params(mesh)
         local_bs = cfg.data.batch_size // jax.process_count()
-        shard = (jax.process_index(), jax.process_count())
-        data_it = task.train_iterator(local_bs, *shard)
+        num_shards = cfg.data.get("num_shards", 0)
+        data_it = dist.host_iterator(task, local_bs, num_shards)
 
         ckpt = Checkpointer(
             os.path.join(workdir, CHECKPOINT_DIR), tc.keep_checkpoints, tc.async_checkpointing
@@ -318,7 +343,9 @@ def train(
         start = ckpt.latest_step()
         if start is not None:
             ckpt.check_compatible(start, spec.abstract.to_dict())
-            state = TrainState.from_dict(ckpt.restore(start, spec.abstract.to_dict(), data_it))
+            state = TrainState.from_dict(ckpt.restore(start, spec.abstract.to_dict()))
+            # Data position from every host's file: resuming on another host count works.
+            dist.restore_host_iterator(ckpt.directory, start, data_it)
             resumed = True
         else:
             start, resumed = 0, False
@@ -331,21 +358,10 @@ def train(
                 f.write(model_config.to_json())
         meta = task.checkpoint_meta()
 
-        eval_host = task.eval_batches(local_bs, tc.eval_batches, *shard)
+        eval_host = dist.host_eval_batches(task, local_bs, tc.eval_batches, num_shards)
         eval_dev = [_place(b, mesh) for b in eval_host]
 
-        tx, schedule = spec.tx, spec.schedule
-
-        def train_step(state: TrainState, frozen, batch):
-            rng = jax.random.fold_in(state.rng, state.step)
-            grad_fn = jax.value_and_grad(task.loss_fn, has_aux=True)
-            (loss, metrics), grads = grad_fn(state.params, frozen, batch, rng)
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
-                           lr=schedule(state.step))  # fmt: skip
-            new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-            return new, metrics
+        train_step = make_train_step(task, spec.tx, spec.schedule)
 
         rep = shd.replicated(mesh)
         step_fn = None
@@ -440,9 +456,10 @@ def train(
                     t_eval = time.perf_counter()
                     last_eval = run_eval(step)
                     log(last_eval)
+                    ppl = last_eval.get("heldout_perplexity")  # LM only; drafters log accept
                     bar.write(
-                        f"step {step}: heldout loss {last_eval['heldout_loss']:.4f} "
-                        f"ppl {last_eval['heldout_perplexity']:.2f}"
+                        f"step {step}: heldout loss {last_eval['heldout_loss']:.4f}"
+                        + (f" ppl {ppl:.2f}" if ppl is not None else "")
                     )
                     window_t0 += time.perf_counter() - t_eval  # eval is not training time
 

@@ -1,0 +1,643 @@
+"""Drafter training (DSpark, DFlash, EAGLE-3, MTP-1) in the shared loop (DESIGN §4).
+
+``task = "drafter"``. Only the drafter is trainable; the target (a Hugging Face Qwen3
+directory, ``target.dir``) is loaded once, sharded by its logical axis names and passed to
+the step as a frozen input. Inside the jitted step:
+
+1. The target runs over the batch (``Qwen3.hidden_states``) and returns the tap states
+   (context features ``[B, T, m·d]``; MTP-1 uses the final hidden state), under
+   ``stop_gradient``.
+2. DSpark/DFlash: ``drafter.anchors_per_seq`` anchors per sequence are sampled with the
+   step's RNG (``anchors.sample_anchors``; exact on resume, new every step) and their
+   γ-token blocks are packed densely (``anchors.pack_blocks``). The target LM head runs
+   only at the ``B·N·γ`` label positions (never over ``[B, T, V]``) to give ``p_t``.
+   EAGLE-3 / MTP-1 train on every eligible position (their forward covers every position
+   anyway; EAGLE-3 needs ``p_t`` at every position for its soft labels).
+3. Losses from :mod:`dspark_jax.train.drafter_losses` (all at temperature 1).
+
+Held-out metrics (every eval, ``metrics.jsonl``): on fixed anchors (a constant key, so
+every eval and every drafter kind of one data set sees the same blocks), the teacher-forced
+acceptance ``Σ_v min(p_t, p_d)`` per draft position k = 1..γ, its mean, a teacher-forced
+accepted length ``τ_tf = 1 + Σ_k Π_{i≤k} α_i`` over blocks whose γ labels are all
+supervised, and for a confidence head the BCE and ECE (20 equal-width bins) of
+``c_k = σ(z_k)`` against the *soft* target ``c*_k = 1 − ½‖p_d − p_t‖₁``. The soft target is
+the exact conditional acceptance probability under T = 1 lossless verification, i.e. the
+expectation of the Bernoulli accept label given the prefix; using it removes the label
+sampling noise that biases a Bernoulli-label ECE upwards on small held-out sets, and it is
+the quantity the head is trained to predict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from dspark_jax.config import CHOICES, VALIDATORS, ConfigDict, ConfigError
+from dspark_jax.models.drafter_config import HEADS, KINDS, DrafterConfig
+from dspark_jax.models.qwen3 import Qwen3, Qwen3Config
+from dspark_jax.train import anchors as A
+from dspark_jax.train import drafter_losses as L
+from dspark_jax.train.trainer import Task, default_config, register_task
+
+# Held-out anchors come from this constant key (not the training RNG): identical blocks at
+# every evaluation and for every drafter kind evaluated on the same data.
+EVAL_ANCHOR_SEED = 1234
+# Per-kind default loss weights (DESIGN §4): DSpark 0.1 CE + 0.9 L1 + 1.0 confidence BCE;
+# DFlash CE only (DeepSpec's DFlash baseline).
+DEFAULT_ALPHAS = {"dspark": (0.1, 0.9, 1.0), "dflash": (1.0, 0.0, 0.0)}
+CARD_NAME = "README.md"
+CARD_JSON = "model_card.json"
+
+
+# ----------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------
+def _positive(name):
+    def check(v):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+    return check
+
+
+def _non_negative_or_none(name):
+    def check(v):
+        if v is not None and (not isinstance(v, (int, float)) or v < 0):
+            raise ValueError(f"{name} must be a number >= 0 (or None for the kind's default)")
+
+    return check
+
+
+def _decay_check(v):
+    if not isinstance(v, (int, float)) or v <= 0:
+        raise ValueError(f"loss.decay must be > 0, got {v!r}")
+
+
+def _step_weight_check(v):
+    if not isinstance(v, (int, float)) or not 0 < v <= 1:
+        raise ValueError(f"loss.eagle3_step_weight must be in (0, 1], got {v!r}")
+
+
+CHOICES["drafter.kind"] = list(KINDS)
+CHOICES["drafter.head"] = list(HEADS) + [None]
+CHOICES["target.dtype"] = ["float32", "bfloat16"]
+for _key in ("drafter.gamma", "drafter.anchors_per_seq", "drafter.eval_anchors_per_seq",
+             "drafter.pack_sequences"):  # fmt: skip
+    VALIDATORS[_key] = _positive(_key)
+for _key in ("loss.alpha_ce", "loss.alpha_tv", "loss.alpha_conf"):
+    VALIDATORS[_key] = _non_negative_or_none(_key)
+VALIDATORS["loss.decay"] = _decay_check
+VALIDATORS["loss.eagle3_step_weight"] = _step_weight_check
+
+
+def drafter_default_config(kind: str = "dspark") -> ConfigDict:
+    """Every key of a drafter run with DESIGN §4 defaults; ``configs/drafter_*.py`` fill it."""
+    cfg = default_config()
+    del cfg["model"]  # the trained model is the drafter; the target comes from target.dir
+    cfg.task = "drafter"
+    cfg.drafter = ml_collections.ConfigDict(
+        {
+            "kind": kind,
+            "gamma": 1 if kind == "mtp1" else 7,
+            "num_layers": None,  # None = per-kind default (5 dspark/dflash, 1 eagle3/mtp1)
+            "taps": None,  # None = per-kind default taps of the target
+            "head": None,  # dspark: markov (default) | gated | rnn | none
+            "markov_rank": 256,
+            "rnn_rank": 256,
+            "confidence": None,  # None = on for dspark only
+            "confidence_with_prev": True,
+            "mask_token": "<|mask|>",  # name in the target tokenizer (dspark/dflash)
+            "anchors_per_seq": 32,  # N: anchors sampled per sequence and step
+            "eval_anchors_per_seq": 32,
+            "pack_sequences": 1,  # sequences sharing one packed attention call
+        }
+    )
+    cfg.target = ml_collections.ConfigDict({"dir": "assets/target", "dtype": "float32"})
+    cfg.data.data_dir = "data/distill"
+    cfg.data.tokenizer = ""  # "" = <target.dir>/tokenizer.json
+    cfg.loss = ml_collections.ConfigDict(
+        {
+            "decay": 4.0,
+            "alpha_ce": None,  # None = the kind's default (DEFAULT_ALPHAS)
+            "alpha_tv": None,
+            "alpha_conf": None,
+            "eagle3_step_weight": 0.8,
+        }
+    )
+    return cfg
+
+
+def _alphas(cfg: ConfigDict) -> tuple[float, float, float]:
+    kind = cfg.drafter.kind
+    base = DEFAULT_ALPHAS.get(kind, (0.0, 0.0, 0.0))
+    given = (cfg.loss.alpha_ce, cfg.loss.alpha_tv, cfg.loss.alpha_conf)
+    return tuple(float(b if g is None else g) for g, b in zip(given, base))
+
+
+# ----------------------------------------------------------------------------------------
+# The task
+# ----------------------------------------------------------------------------------------
+class DrafterTask(Task):
+    """``task = "drafter"``: train a drafter against a frozen Qwen3 target."""
+
+    name = "drafter"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self._target_config: Qwen3Config | None = None
+        self._tokenizer = None
+        self._drafter_config: DrafterConfig | None = None
+
+    # -- configs -------------------------------------------------------------------------
+    @property
+    def target_dir(self) -> str:
+        return self.cfg.target.dir
+
+    def _read_target_config(self) -> Qwen3Config:
+        if self._target_config is None:
+            from dspark_jax.convert import read_hf_config
+
+            d = self.target_dir
+            if not d or not os.path.isdir(d):
+                raise FileNotFoundError(
+                    f"Target directory not found: target.dir = {d!r}. Point it at a Hugging "
+                    "Face Qwen3 directory (config.json, model.safetensors, tokenizer.json), "
+                    "e.g. one written by `python -m dspark_jax.export`."
+                )
+            self._target_config = read_hf_config(d)
+        return self._target_config
+
+    def model_config(self) -> Qwen3Config:
+        """The target's config as the drafter sees it: compute in ``train.compute_dtype``,
+        drafter params float32 (master weights)."""
+        return self._read_target_config().replace(
+            dtype=self.cfg.train.compute_dtype, param_dtype="float32"
+        )
+
+    def frozen_config(self) -> Qwen3Config:
+        """The frozen target: stored in ``target.dtype``, computed in ``train.compute_dtype``."""
+        return self._read_target_config().replace(
+            dtype=self.cfg.train.compute_dtype, param_dtype=self.cfg.target.dtype
+        )
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from dspark_jax.tokenizer import Tokenizer
+
+            path = self.cfg.data.tokenizer or os.path.join(self.target_dir, "tokenizer.json")
+            if not os.path.exists(path):
+                raise FileNotFoundError(
+                    f"Tokenizer not found: {path!r} (data.tokenizer, default "
+                    "<target.dir>/tokenizer.json)"
+                )
+            needs_mask = self.cfg.drafter.kind in ("dspark", "dflash")
+            self._tokenizer = Tokenizer(
+                path, mask_token=self.cfg.drafter.mask_token if needs_mask else None
+            )
+        return self._tokenizer
+
+    @property
+    def drafter_config(self) -> DrafterConfig:
+        """The resolved :class:`DrafterConfig` (taps, layers, head filled in)."""
+        if self._drafter_config is None:
+            d = self.cfg.drafter
+            kind = d.kind
+            mask_id = self.tokenizer.mask_id if kind in ("dspark", "dflash") else None
+            taps = None if d.taps is None else tuple(int(t) for t in d.taps)
+            try:
+                dc = DrafterConfig(
+                    kind=kind,
+                    gamma=d.gamma,
+                    num_layers=d.num_layers,
+                    taps=taps,
+                    head=d.head,
+                    markov_rank=d.markov_rank,
+                    rnn_rank=d.rnn_rank,
+                    confidence=d.confidence,
+                    confidence_with_prev=d.confidence_with_prev,
+                    mask_token_id=mask_id,
+                )
+                self._drafter_config = dc.resolve(self.model_config())
+            except ValueError as e:
+                raise ConfigError(f"drafter section: {e}") from None
+        return self._drafter_config
+
+    def module(self):
+        from dspark_jax.models.drafters import make_drafter
+
+        return make_drafter(self.drafter_config, self.model_config())
+
+    def check(self) -> None:
+        cfg, d = self.cfg, self.cfg.drafter
+        tcfg = self.model_config()
+        dc = self.drafter_config  # validates kind/taps/mask against the target
+        tok = self.tokenizer
+        if tok.vocab_size > tcfg.vocab_size:
+            raise ValueError(
+                f"The tokenizer {tok.path} has {tok.vocab_size} ids but the target's vocab_size "
+                f"is {tcfg.vocab_size}: wrong tokenizer for this target?"
+            )
+        seq = cfg.data.seq_len
+        if seq > tcfg.max_position_embeddings:
+            raise ValueError(
+                f"data.seq_len = {seq} exceeds the target's max_position_embeddings = "
+                f"{tcfg.max_position_embeddings}; lower --config.data.seq_len."
+            )
+        for key in ("anchors_per_seq", "eval_anchors_per_seq"):
+            if d[key] > seq:
+                raise ValueError(f"drafter.{key} = {d[key]} exceeds data.seq_len = {seq}")
+        if cfg.data.batch_size % d.pack_sequences:
+            raise ValueError(
+                f"data.batch_size = {cfg.data.batch_size} is not divisible by "
+                f"drafter.pack_sequences = {d.pack_sequences}"
+            )
+        _, _, a_conf = _alphas(cfg)
+        if a_conf > 0 and not dc.has_confidence:
+            raise ValueError(
+                f"loss.alpha_conf = {a_conf} but drafter kind {dc.kind!r} has no confidence "
+                "head; set --config.loss.alpha_conf=0 or --config.drafter.confidence=True"
+            )
+        self._check_data()
+
+    def _check_data(self) -> None:
+        from dspark_jax.data.corpus import read_metadata
+        from dspark_jax.data.distill import DistillDataset, find_dataset_dir
+
+        data_dir = self.cfg.data.data_dir
+        try:
+            ds_dir = find_dataset_dir(data_dir, DistillDataset.name)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"Distillation data not found: data.data_dir = {data_dir!r} holds no "
+                f"{DistillDataset.name}. Build it with `python -m dspark_jax.data.distill "
+                "--target TARGET_DIR --corpus-dir CORPUS --out-dir DIR`."
+            ) from None
+        manifest = read_metadata(ds_dir).get("manifest", {})
+        sha = manifest.get("tokenizer_sha1")
+        if sha is not None:
+            have = hashlib.sha1(self.tokenizer.path.read_bytes()).hexdigest()
+            if have != sha:
+                raise ValueError(
+                    f"{ds_dir} was generated with another tokenizer than {self.tokenizer.path} "
+                    "(sha1 mismatch): distill the data with this target"
+                )
+        vocab = manifest.get("target_config", {}).get("vocab_size")
+        if vocab is not None and vocab != self.model_config().vocab_size:
+            raise ValueError(
+                f"{ds_dir} was generated by a target with vocab_size {vocab}, but target.dir "
+                f"has vocab_size {self.model_config().vocab_size}"
+            )
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        meta = super().checkpoint_meta()
+        meta["drafter_config"] = self.drafter_config.to_dict()
+        return meta
+
+    # -- params --------------------------------------------------------------------------
+    def init_params(self, rng: jax.Array) -> Any:
+        from dspark_jax.models.drafters import init_drafter_params
+
+        return init_drafter_params(self.module(), rng)
+
+    def frozen_params(self, mesh):
+        """The target's parameters from ``target.dir``, sharded by their logical names."""
+        from dspark_jax import sharding as shd
+        from dspark_jax.convert import load_hf
+
+        fcfg = self.frozen_config()
+        _, params = load_hf(self.target_dir, dtype=self.cfg.target.dtype)
+        boxed = jax.eval_shape(
+            lambda: Qwen3(fcfg).init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32))["params"]
+        )
+        shardings = shd.param_shardings(boxed, mesh)
+        want = jax.tree.structure(shardings)
+        if jax.tree.structure(params) != want:
+            raise ValueError(
+                f"The parameters in {self.target_dir} do not match its config.json "
+                f"(tree {jax.tree.structure(params)} vs {want})"
+            )
+
+        def place(x, s):
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
+
+        return jax.tree.map(place, params, shardings), shardings
+
+    # -- forward pieces ------------------------------------------------------------------
+    def _target(self):
+        return Qwen3(self.frozen_config())
+
+    def _target_features(self, frozen, tokens):
+        """``(context features [B, T, F], final hidden [B, T, d])`` under stop_gradient."""
+        dc = self.drafter_config
+        taps = None if dc.kind == "mtp1" else tuple(dc.taps)
+        h, tap_states = self._target().apply(
+            {"params": frozen}, tokens, None, None, taps, method="hidden_states"
+        )
+        h = jax.lax.stop_gradient(h)
+        if taps is None:
+            return h, h
+        m, b, t, d = tap_states.shape
+        feats = jnp.transpose(tap_states, (1, 2, 0, 3)).reshape(b, t, m * d)
+        return jax.lax.stop_gradient(feats), h
+
+    def _lm_head(self, frozen):
+        target = self._target()
+        return lambda h: target.apply({"params": frozen}, h, method="logits_from_hidden")
+
+    def _embed(self, frozen):
+        table = frozen["embed_tokens"]["embedding"]
+        dt = self.model_config().compute_dtype
+        return lambda ids: jnp.take(table, ids, axis=0).astype(dt)
+
+    def _target_logits_at_labels(self, frozen, h, packed: A.PackedBlocks):
+        """Target logits for each block label (LM head at ``a+k-1``, k = 1..γ): ``[N, γ, V]``.
+        Only ``B·N·γ`` rows go through the LM head, never ``[B, T, V]``."""
+        t = h.shape[1]
+        pos = jnp.minimum(packed.label_pos - 1, t - 1)
+        rows = h[packed.block_seq[:, None], pos]
+        return jax.lax.stop_gradient(self._lm_head(frozen)(rows))
+
+    def _block_forward(self, params, frozen, feats, ctx_valid, packed: A.PackedBlocks):
+        """DSpark/DFlash packed forward, vmapped over groups of ``pack_sequences`` sequences."""
+        b, t, f = feats.shape
+        p = self.cfg.drafter.pack_sequences
+        g = b // p
+        grouped = A.group_blocks(packed, b, g)
+        module, embed, lm_head = self.module(), self._embed(frozen), self._lm_head(frozen)
+
+        def one(fe, va, bt, bs, ap):
+            return module.apply(
+                {"params": params}, fe, va, bt, bs, ap, embed, lm_head, method="train_forward"
+            )
+
+        logits, conf = jax.vmap(one)(
+            feats.reshape(g, p, t, f),
+            ctx_valid.reshape(g, p, t),
+            grouped.block_tokens,
+            grouped.block_seq,
+            grouped.anchor_pos,
+        )
+        n = packed.block_seq.shape[0]
+        logits = logits.reshape((n,) + logits.shape[2:])
+        conf = None if conf is None else conf.reshape(n, -1)
+        return logits, conf
+
+    def _sequence_forward(self, params, frozen, feats, tokens, valid):
+        """EAGLE-3 ``[γ, B, T, V]`` / MTP-1 ``[1, B, T, V]`` logits at every position."""
+        module = self.module()
+        out = module.apply(
+            {"params": params},
+            feats,
+            tokens,
+            valid,
+            self._embed(frozen),
+            self._lm_head(frozen),
+            method="train_forward",
+        )
+        return out[None] if self.drafter_config.kind == "mtp1" else out
+
+    @staticmethod
+    def _shift_left(x, n):
+        pad = jnp.zeros((x.shape[0], n) + x.shape[2:], x.dtype)
+        return jnp.concatenate([x[:, n:], pad], axis=1)[:, : x.shape[1]]
+
+    def _sequence_loss(self, params, frozen, feats, h, batch):
+        """EAGLE-3 / MTP-1 loss over every position t whose anchor ``t+1`` is eligible."""
+        dc, tokens, loss_mask = self.drafter_config, batch["tokens"], batch["loss_mask"]
+        t = tokens.shape[1]
+        valid = jnp.arange(t)[None, :] < batch["length"][:, None]
+        out = self._sequence_forward(params, frozen, feats, tokens, valid)
+        elig = self._shift_left(A.eligible_anchors(loss_mask), 1)  # anchor t+1 eligible
+        if dc.kind == "mtp1":
+            labels = self._shift_left(tokens, 2)
+            loss, terms = L.mtp_loss(out[0], labels, elig)
+        else:
+            sup = loss_mask.astype(bool)
+            mask = jnp.stack([elig & self._shift_left(sup, 2 + i) for i in range(dc.gamma)])
+            next_logits = jax.lax.stop_gradient(self._lm_head(frozen)(h))
+            loss, terms = L.eagle3_loss(
+                out, next_logits, mask, step_weight=float(self.cfg.loss.eagle3_step_weight)
+            )
+        return loss, terms, out
+
+    # -- losses --------------------------------------------------------------------------
+    def _block_loss(self, params, frozen, feats, h, batch, packed):
+        a_ce, a_tv, a_conf = _alphas(self.cfg)
+        t = batch["tokens"].shape[1]
+        ctx_valid = jnp.arange(t)[None, :] < batch["length"][:, None]
+        logits, conf = self._block_forward(params, frozen, feats, ctx_valid, packed)
+        tgt = self._target_logits_at_labels(frozen, h, packed)
+        loss, terms = L.dspark_loss(
+            logits, conf, tgt, packed.labels, packed.label_valid,
+            decay=float(self.cfg.loss.decay), alpha_ce=a_ce, alpha_tv=a_tv, alpha_conf=a_conf,
+        )  # fmt: skip
+        return loss, terms, (logits, conf, tgt)
+
+    def loss_fn(self, params, frozen, batch, rng):
+        feats, h = self._target_features(frozen, batch["tokens"])
+        if self.drafter_config.kind in ("dspark", "dflash"):
+            n = self.cfg.drafter.anchors_per_seq
+            anchor_pos, anchor_valid = A.sample_anchors(rng, batch["loss_mask"], n)
+            packed = A.pack_blocks(
+                batch["tokens"], batch["loss_mask"], anchor_pos, anchor_valid,
+                self.drafter_config.gamma,
+            )  # fmt: skip
+            loss, terms, _ = self._block_loss(params, frozen, feats, h, batch, packed)
+            count = jnp.sum(packed.label_valid)
+        else:
+            loss, terms, _ = self._sequence_loss(params, frozen, feats, h, batch)
+            count = jnp.sum(A.eligible_anchors(batch["loss_mask"]))
+        return loss, dict(terms, label_positions=count.astype(jnp.float32))
+
+    # -- held-out metrics ----------------------------------------------------------------
+    def eval_sums(self, params, frozen, batch):
+        dc = self.drafter_config
+        g = dc.draft_len
+        tokens, loss_mask = batch["tokens"], batch["loss_mask"]
+        feats, h = self._target_features(frozen, tokens)
+        anchor_pos, anchor_valid = A.sample_anchors(
+            jax.random.PRNGKey(EVAL_ANCHOR_SEED), loss_mask, self.cfg.drafter.eval_anchors_per_seq
+        )
+        packed = A.pack_blocks(tokens, loss_mask, anchor_pos, anchor_valid, g)
+        conf = None
+        if dc.kind in ("dspark", "dflash"):
+            loss, _, (logits, conf, tgt) = self._block_loss(params, frozen, feats, h, batch, packed)
+            loss_count = jnp.sum(packed.label_valid)
+        else:
+            loss, _, out = self._sequence_loss(params, frozen, feats, h, batch)
+            # Step i at position a-1 predicts a+1+i: the same blocks as DSpark's.
+            steps = jnp.arange(g)[None, :]
+            logits = out[steps, packed.block_seq[:, None], (packed.anchor_pos - 1)[:, None]]
+            tgt = self._target_logits_at_labels(frozen, h, packed)
+            loss_count = jnp.sum(A.eligible_anchors(loss_mask))
+        mask = packed.label_valid.astype(jnp.float32)
+        acc = L.acceptance(logits, tgt)  # [N, γ]
+        sums = {"loss_sum": loss * loss_count, "loss_count": loss_count.astype(jnp.float32)}
+        for k in range(g):
+            sums[f"acc_sum_{k + 1}"] = jnp.sum(acc[:, k] * mask[:, k])
+            sums[f"acc_count_{k + 1}"] = jnp.sum(mask[:, k])
+        full = jnp.all(packed.label_valid, axis=1).astype(jnp.float32)
+        prefix = jnp.cumprod(acc, axis=1).sum(axis=1)
+        sums["tau_sum"] = jnp.sum(prefix * full)
+        sums["tau_blocks"] = jnp.sum(full)
+        if conf is not None:
+            c_star = jnp.clip(acc, 0.0, 1.0)  # = clamp(1 - ½‖p_d - p_t‖₁, 0, 1)
+            sums["conf_bce_sum"] = jnp.sum(L.bce_with_logits(conf, c_star) * mask)
+            cnt, sc, st = L.ece_bin_sums(jax.nn.sigmoid(conf), c_star, mask)
+            for i in range(L.ECE_BINS):
+                sums[f"ece_n_{i:02d}"] = cnt[i]
+                sums[f"ece_c_{i:02d}"] = sc[i]
+                sums[f"ece_t_{i:02d}"] = st[i]
+        return sums
+
+    def summarize_eval(self, sums: dict[str, float]) -> dict[str, float]:
+        g = self.drafter_config.draft_len
+        out = {"heldout_loss": sums["loss_sum"] / max(sums["loss_count"], 1.0)}
+        tot, cnt = 0.0, 0.0
+        for k in range(1, g + 1):
+            s, n = sums[f"acc_sum_{k}"], sums[f"acc_count_{k}"]
+            out[f"heldout_accept_k{k}"] = s / n if n else math.nan
+            tot, cnt = tot + s, cnt + n
+        out["heldout_accept_mean"] = tot / cnt if cnt else math.nan
+        out["heldout_tau_tf"] = (
+            1.0 + sums["tau_sum"] / sums["tau_blocks"] if sums["tau_blocks"] else math.nan
+        )
+        out["heldout_label_positions"] = int(cnt)
+        if "conf_bce_sum" in sums:
+            out["heldout_conf_bce"] = sums["conf_bce_sum"] / cnt if cnt else math.nan
+            bins = range(L.ECE_BINS)
+            out["heldout_conf_ece"] = L.ece_from_sums(
+                [sums[f"ece_n_{i:02d}"] for i in bins],
+                [sums[f"ece_c_{i:02d}"] for i in bins],
+                [sums[f"ece_t_{i:02d}"] for i in bins],
+            )
+        return out
+
+    # -- data ----------------------------------------------------------------------------
+    def train_iterator(self, batch_size: int, shard_index: int, shard_count: int):
+        from dspark_jax.data.corpus import TRAIN
+        from dspark_jax.data.distill import make_distill_batches
+
+        d = self.cfg.data
+        return make_distill_batches(
+            d.data_dir, TRAIN, d.seq_len, batch_size, d.seed, shard_index, shard_count,
+            num_epochs=None, shuffle=d.shuffle,
+        )  # fmt: skip
+
+    def eval_batches(self, batch_size: int, num_batches: int, shard_index: int, shard_count: int):
+        """The first ``num_batches`` batches of one unshuffled held-out pass (the same every
+        eval), padded with fully masked batches so all hosts run the same count."""
+        from dspark_jax.data.corpus import HELDOUT
+        from dspark_jax.data.distill import make_distill_batches
+
+        d = self.cfg.data
+        it = make_distill_batches(
+            d.data_dir, HELDOUT, d.seq_len, batch_size, 0, shard_index, shard_count,
+            num_epochs=1, shuffle=False,
+        )  # fmt: skip
+        out = []
+        for batch in it:
+            out.append(batch)
+            if len(out) >= num_batches:
+                break
+        if not out:
+            raise ValueError(f"empty data: the '{HELDOUT}' split of {d.data_dir} has no records")
+        while len(out) < num_batches:
+            out.append({k: (v * 0 if k == "loss_mask" else v) for k, v in out[-1].items()})
+        return out
+
+
+register_task("drafter", "dspark_jax.train.drafter_task:DrafterTask")
+
+
+# ----------------------------------------------------------------------------------------
+# Export
+# ----------------------------------------------------------------------------------------
+def count_params(params) -> int:
+    import flax.linen as nn
+
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nn.unbox(params))))
+
+
+def export_drafter(workdir: str, out: str, step: int | None = None, dtype: str = "float32"):
+    """Write a trained drafter as a ``drafter_io`` directory plus a model card."""
+    from dspark_jax.export import restore_params
+    from dspark_jax.models.drafter_io import save_drafter
+    from dspark_jax.train.trainer import make_task, read_metrics
+
+    cfg, tcfg, step, params = restore_params(workdir, step, tasks=("drafter",))
+    task = make_task(cfg)
+    dc = task.drafter_config
+    written = save_drafter(out, dc, tcfg.replace(dtype="float32", param_dtype="float32"), params,
+                           dtype=dtype)  # fmt: skip
+    evals = [m for m in read_metrics(workdir) if m.get("kind") == "eval" and m["step"] <= step]
+    last = evals[-1] if evals else {}
+    card = {
+        "kind": dc.kind,
+        "drafter_config": dc.to_dict(),
+        "parameters": count_params(params),
+        "steps": int(step),
+        "batch_size": cfg.data.batch_size,
+        "seq_len": cfg.data.seq_len,
+        "target": os.path.abspath(cfg.target.dir),
+        "data": os.path.abspath(cfg.data.data_dir),
+        "loss": cfg.loss.to_dict(),
+        "heldout": {k: v for k, v in last.items() if k.startswith("heldout")},
+        "heldout_step": last.get("step"),
+        "weights_dtype": dtype,
+    }
+    with open(os.path.join(out, CARD_JSON), "w") as f:
+        json.dump(card, f, indent=2)
+        f.write("\n")
+    written.append(os.path.join(out, CARD_JSON))
+    lines = [
+        f"# {dc.kind} drafter",
+        "",
+        f"- kind: `{dc.kind}`, γ = {dc.gamma}, layers = {dc.num_layers}, taps = {dc.taps}, "
+        f"head = {dc.head}, confidence = {dc.confidence}",
+        f"- parameters: {card['parameters']:,} (trainable; the target's embedding / LM head "
+        "are shared and frozen)",
+        f"- trained: {step} steps x {cfg.data.batch_size} sequences x {cfg.data.seq_len} "
+        f"tokens on `{cfg.data.data_dir}` against `{cfg.target.dir}`",
+        f"- command: `python train.py --config <config> --workdir {workdir}` then "
+        f"`python -m dspark_jax.export --workdir {workdir} --out {out}`",
+        "",
+        f"Held-out teacher-forced acceptance Σ min(p_t, p_d) at T = 1 (step {last.get('step')}):",
+        "",
+        "| k | " + " | ".join(str(k) for k in range(1, dc.draft_len + 1)) + " |",
+        "|---|" + "---|" * dc.draft_len,
+        "| α_k | "
+        + " | ".join(f"{last.get(f'heldout_accept_k{k}', float('nan')):.3f}"
+                     for k in range(1, dc.draft_len + 1))  # fmt: skip
+        + " |",
+        "",
+        f"τ_tf (teacher-forced accepted length) = {last.get('heldout_tau_tf', float('nan')):.3f}",
+    ]
+    if "heldout_conf_ece" in last:
+        lines.append(
+            f"Confidence: BCE {last['heldout_conf_bce']:.4f}, ECE {last['heldout_conf_ece']:.4f}"
+        )
+    with open(os.path.join(out, CARD_NAME), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    written.append(os.path.join(out, CARD_NAME))
+    return {"step": step, "out": os.path.abspath(out), "dtype": dtype, "files": written,
+            "kind": dc.kind, "parameters": card["parameters"]}  # fmt: skip
+
+
+__all__ = [
+    "DEFAULT_ALPHAS",
+    "DrafterTask",
+    "count_params",
+    "drafter_default_config",
+    "export_drafter",
+]

@@ -1,0 +1,423 @@
+"""The speculative decode step and host loop (DESIGN §5): exactness, greedy parity,
+compile-once, limits and errors, on a tiny random target (vocabulary 24)."""
+
+import collections
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from dspark_jax.decode.autoregressive import generate as ar_generate
+from dspark_jax.decode.runner import Request, Runner
+from dspark_jax.decode.sampling import process_logits
+from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
+from dspark_jax.models.drafters import DrafterConfig, init_drafter_params, make_drafter
+from dspark_jax.models.presets import PRESETS
+from dspark_jax.models.qwen3 import Qwen3
+from dspark_jax.sched import prefix as prefix_sched
+
+V = 24  # distinct from every other dimension, so HLO shapes can be matched by size
+MASK = V - 1
+CFG = PRESETS["tiny"].replace(vocab_size=V, num_hidden_layers=2, max_position_embeddings=64)
+PROMPT = [3, 7, 1]
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = Qwen3(CFG)
+    params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    # A peaked target (random init gives near-uniform logits): its conditionals differ
+    # clearly from the drafter's, so biased verification shows in the outputs.
+    params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 15.0
+    return model, params
+
+
+def _drafter(kind, gamma=4, seed=1):
+    dcfg = DrafterConfig(
+        kind=kind,
+        gamma=1 if kind == "mtp1" else gamma,
+        num_layers=1,
+        markov_rank=4,
+        rnn_rank=4,
+        mask_token_id=MASK,
+    )
+    module = make_drafter(dcfg, CFG)
+    return module, nn.unbox(init_drafter_params(module, jax.random.key(seed)))
+
+
+def _sensitive_drafter():
+    """γ = 2 DSpark drafter whose confidence depends only, and strongly, on the previous
+    token: c_k = σ(±3) = 0.95 / 0.05 for x_{k-1} in S = even ids / odd ids. Then c_2 is a
+    function of the sampled x_1, which is what Appendix A's failure needs."""
+    module, params = _drafter("dspark", gamma=2, seed=2)
+    w1 = np.array(params["markov_head"]["markov_w1"])
+    w1[:, 0] = np.where(np.arange(V) % 2 == 0, 3.0, -3.0)
+    kernel = np.zeros_like(np.asarray(params["confidence_head"]["kernel"]))
+    kernel[CFG.hidden_size] = 1.0  # reads W1[x_{k-1}][0] only
+    params["markov_head"]["markov_w1"] = jnp.asarray(w1)
+    params["confidence_head"]["kernel"] = jnp.asarray(kernel)
+    params["confidence_head"]["bias"] = jnp.zeros((1,), jnp.float32)
+    return module, params
+
+
+# Paper Appendix A's per-slot step rates SPS(B) for B = 1, 2, 3 (R = 1, γ = 2).
+SPS_A = jnp.asarray([0.0, 1.0, 0.5, 0.45])
+
+
+class NoEarlyStopDecoder(SpeculativeDecoder):
+    """WRONG (test only): per slot, verify the prefix length that maximises Θ globally
+    (Appendix A's table), i.e. Algorithm 1 without the early stop."""
+
+    def _schedule(self, survival, active, budget, sps_table):
+        a = prefix_sched.running_min(survival)
+        tau = 1.0 + jnp.concatenate([jnp.zeros_like(a[:, :1]), jnp.cumsum(a, axis=1)], axis=1)
+        theta = tau * SPS_A[1 : a.shape[1] + 2][None, :]
+        return jnp.where(active, jnp.argmax(theta, axis=1), 0).astype(jnp.int32)
+
+
+class EarlyStopDecoder(SpeculativeDecoder):
+    """The same per-slot rule with Algorithm 1's first-drop stop (exact)."""
+
+    def _schedule(self, survival, active, budget, sps_table):
+        lengths = jax.vmap(lambda a: prefix_sched.algorithm1(a[None], SPS_A).lengths[0])(survival)
+        return jnp.where(active, lengths, 0)
+
+
+# --------------------------------------------------------------------------------------
+# Exactness at T = 1
+
+
+def _exact_first3(model, params, temperature, top_k, top_p):
+    """P(t1, t2, t3 | PROMPT) by enumerating the target's conditionals (full forward)."""
+
+    @jax.jit
+    def probs(tokens):
+        logits = model.apply({"params": params}, tokens)[:, -1]
+        return process_logits(logits, temperature, top_k, top_p)
+
+    def cond(prefixes):
+        return np.asarray(probs(jnp.asarray(prefixes, jnp.int32)), np.float64)
+
+    p1 = cond([PROMPT])[0]
+    p2 = cond([PROMPT + [a] for a in range(V)])  # [V, V]
+    p3 = cond([PROMPT + [a, b] for a in range(V) for b in range(V)]).reshape(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def _sample_first3(dec, waves, temperature, top_k, top_p, budget=None, buckets=None):
+    """Counts of the first 3 generated tokens over ``waves`` × R slots, all on PROMPT."""
+    r = dec.config.num_slots
+    state = dec.init_state(seed=11)
+    counts = collections.Counter()
+    prompts = np.zeros((r, 16), np.int32)
+    prompts[:, : len(PROMPT)] = PROMPT
+
+    def full(x, dtype):
+        return np.full((r,), x, dtype)
+
+    for _ in range(waves):
+        state, pre = dec.prefill(
+            state,
+            np.arange(r, dtype=np.int32),
+            prompts,
+            full(len(PROMPT), np.int32),
+            full(3, np.int32),
+            full(temperature, np.float32),
+            full(top_k, np.int32),
+            full(top_p, np.float32),
+        )
+        seqs = [[int(t)] for t in np.asarray(pre.first_token)]
+        while bool(np.any(np.asarray(state.active))):
+            if buckets is not None:  # synchronous two-phase path
+                plan = dec.plan(state)
+                need = int(np.asarray(plan.lengths).sum())
+                state, out = dec.commit(state, plan, next(k for k in buckets if k >= need))
+            else:
+                state, out = dec.round(state, budget)
+            out = jax.device_get(out)
+            for s in range(r):
+                seqs[s].extend(int(x) for x in out.tokens[s, : out.num_emitted[s]])
+        assert all(len(s) == 3 for s in seqs)
+        counts.update(tuple(s) for s in seqs)
+    return counts
+
+
+def _chi2_pvalue(counts, probs):
+    """Pearson chi-square of the counts against ``probs [V, V, V]``; cells with an expected
+    count below 5 are pooled into one."""
+    n = sum(counts.values())
+    obs = np.zeros(probs.shape)
+    for key, c in counts.items():
+        obs[key] += c
+    exp = probs * n
+    big = exp >= 5
+    o = np.append(obs[big], obs[~big].sum())
+    e = np.append(exp[big], exp[~big].sum())
+    keep = e > 0
+    assert o[~keep].sum() == 0, "a sequence of target probability 0 was generated"
+    chi2 = float(np.sum((o[keep] - e[keep]) ** 2 / e[keep]))
+    return float(stats.chi2.sf(chi2, keep.sum() - 1)), chi2
+
+
+def _shifted(probs, amount=0.02):
+    """Move ``amount`` of probability from the most likely sequence to the second one."""
+    flat = probs.reshape(-1).copy()
+    first, second = np.argsort(flat)[::-1][:2]
+    moved = min(amount, flat[first])
+    flat[first] -= moved
+    flat[second] += moved
+    return flat.reshape(probs.shape)
+
+
+SAMPLING = [(1.0, 0, 1.0), (1.0, 5, 0.9)]
+R_EXACT, WAVES = 256, 64  # 16384 samples per setting
+
+
+@pytest.fixture(scope="module")
+def exact_dists(target):
+    model, params = target
+    return {s: _exact_first3(model, params, *s) for s in SAMPLING}
+
+
+@pytest.mark.parametrize(
+    "mode",
+    ["prefix", "topk"]
+    + [pytest.param(m, marks=pytest.mark.slow) for m in ("none", "fixed", "threshold")],
+)
+def test_sampling_is_exact_for_every_scheduler(target, exact_dists, mode):
+    model, params = target
+    drafter, dparams = _sensitive_drafter()
+    r, g = R_EXACT, 2
+    # A decreasing table so Algorithm 1 admits a mix of lengths across the slots.
+    table = 1.0 / (1.0 + jnp.arange(r * (g + 1) + 1) / (1.5 * r))
+    dec = SpeculativeDecoder(
+        model,
+        params,
+        drafter,
+        dparams,
+        StepConfig(num_slots=r, max_len=24, scheduler=mode, sampling=True, threshold=0.5),
+        sps_table=table if mode in ("prefix", "topk") else None,
+    )
+    kwargs = {"budget": r} if mode == "topk" else {}  # top-K of the current a, K fixed
+    if mode == "prefix":
+        kwargs = {"buckets": (r // 2, r, r * g)}  # the two-phase (bucketed) path
+    for setting in SAMPLING:
+        counts = _sample_first3(dec, WAVES, *setting, **kwargs)
+        p, chi2 = _chi2_pvalue(counts, exact_dists[setting])
+        assert p > 1e-3, (mode, setting, chi2, p)
+        # The same data and test reject a target moved by 2 %: the test has the power.
+        p_shift, _ = _chi2_pvalue(counts, _shifted(exact_dists[setting]))
+        assert p_shift < 1e-3, (mode, setting, p_shift)
+    assert dec._round._cache_size() + dec._commit._cache_size() <= 3
+
+
+def test_no_early_stop_variant_is_rejected(target, exact_dists):
+    """Appendix A's broken rule (global Θ argmax per slot) fails the same chi-square test,
+    while the same rule with Algorithm 1's early stop passes."""
+    model, params = target
+    drafter, dparams = _sensitive_drafter()
+    cfg = StepConfig(num_slots=R_EXACT, max_len=24, scheduler="fixed", sampling=True)
+    setting = SAMPLING[0]
+    broken = NoEarlyStopDecoder(model, params, drafter, dparams, cfg)
+    counts = _sample_first3(broken, WAVES, *setting)
+    p_broken, chi2 = _chi2_pvalue(counts, exact_dists[setting])
+    assert p_broken < 1e-6, (chi2, p_broken)
+
+
+@pytest.mark.slow
+def test_same_rule_with_early_stop_passes(target, exact_dists):
+    model, params = target
+    drafter, dparams = _sensitive_drafter()
+    cfg = StepConfig(num_slots=R_EXACT, max_len=24, scheduler="fixed", sampling=True)
+    exact = EarlyStopDecoder(model, params, drafter, dparams, cfg)
+    for setting in SAMPLING:
+        p_ok, _ = _chi2_pvalue(_sample_first3(exact, WAVES, *setting), exact_dists[setting])
+        assert p_ok > 1e-3
+
+
+# --------------------------------------------------------------------------------------
+# Greedy parity, compile-once, limits
+
+
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 9, 9, 9], [2, 20, 2], [17] * 12, [8, 1]]
+
+
+def _greedy_case(target, kind, mode, n_prompts, max_new, buckets=None, slots=3, max_len=48):
+    model, params = target
+    drafter, dparams = (None, None) if kind is None else _drafter(kind)
+    g = 1 if drafter is None else drafter.config.draft_len
+    # A slowly decreasing table: Algorithm 1 admits a few drafts per round.
+    table = 1.0 / (1.0 + jnp.arange(slots * (g + 1) + 1) / (3 * slots))
+    dec = SpeculativeDecoder(
+        model,
+        params,
+        drafter,
+        dparams,
+        StepConfig(num_slots=slots, max_len=max_len, scheduler=mode, threshold=0.3),
+        sps_table=table if mode in ("prefix", "topk") else None,
+    )
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i % V] for i in range(n_prompts)]
+    news = [max_new - (i % 3) for i in range(n_prompts)]
+    runner = Runner(dec, buckets=buckets)
+    res, st = runner.generate([Request(p, m) for p, m in zip(prompts, news)])
+    for p, m, r in zip(prompts, news, res):
+        ref = ar_generate(model, params, [p], m, max_len=max_len)
+        assert r.tokens == ref.tokens[0], (kind, mode, p)
+        assert r.finish_reason == "length" and len(r.tokens) == m
+    return dec, runner, st
+
+
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "kind,mode",
+    [
+        ("dspark", "threshold"),
+        ("eagle3", "fixed"),
+        pytest.param("dspark", "fixed", marks=_SLOW),
+        pytest.param("dspark", "none", marks=_SLOW),
+        pytest.param("dflash", "fixed", marks=_SLOW),
+        pytest.param("mtp1", "fixed", marks=_SLOW),
+        pytest.param(None, "none", marks=_SLOW),
+    ],
+)
+def test_greedy_matches_autoregressive(target, kind, mode):
+    dec, _, _ = _greedy_case(target, kind, mode, n_prompts=7, max_new=10)
+    assert dec._round._cache_size() == 1 and dec._prefill._cache_size() == 1
+
+
+@pytest.mark.parametrize("mode", ["topk", "prefix"])
+def test_greedy_bucketed_modes_compile_once_per_bucket(target, mode):
+    """100+ rounds with refills and varying budgets: each bucket's round traces once."""
+    buckets = (2, 4, 12)
+    dec, runner, st = _greedy_case(target, "dspark", mode, 30, 14, buckets=buckets)
+    assert st.rounds >= 100
+    if mode == "topk":
+        assert 1 < dec._round._cache_size() <= len(buckets)
+    else:  # two-phase: one plan, one verify+commit per bucket used
+        assert runner.two_phase and dec._plan._cache_size() == 1
+        assert 1 < dec._commit._cache_size() <= len(buckets) and dec._round._cache_size() == 0
+    assert dec._prefill._cache_size() == 1
+
+
+def test_limits_eos_max_new_and_cache_end(target):
+    model, params = target
+    drafter, dparams = _drafter("dspark")
+    m = 24
+    ref = ar_generate(model, params, [PROMPTS[1]], 12, max_len=m).tokens[0]
+    eos = ref[5]
+    first_eos = ref.index(eos)
+    dec = SpeculativeDecoder(
+        model, params, drafter, dparams, StepConfig(num_slots=2, max_len=m, eos_id=eos)
+    )
+    near_end = [5] * (m - 4)  # 4 positions left: 4 tokens, then "length"
+    reqs = [
+        Request(PROMPTS[1], 12),
+        Request(near_end, 50),
+        Request(PROMPTS[0], 1),
+        Request(PROMPTS[2], 3),
+    ]
+    res, _ = Runner(dec).generate(reqs)
+    assert res[0].tokens == ref[: first_eos + 1] and res[0].finish_reason == "eos"
+    ref_end = ar_generate(model, params, [near_end], 50, max_len=m, eos_id=eos)
+    assert res[1].tokens == ref_end.tokens[0] and res[1].finish_reason == ref_end.finish_reasons[0]
+    if res[1].finish_reason == "length":
+        assert len(res[1].tokens) == m - len(near_end)
+    assert len(res[2].tokens) == 1 and res[2].rounds == 0
+    assert len(res[3].tokens) <= 3
+
+
+def test_slot_at_cache_end_never_writes_past_it(target):
+    model, params = target
+    drafter, dparams = _drafter("dspark")
+    m = 20
+    dec = SpeculativeDecoder(model, params, drafter, dparams, StepConfig(num_slots=2, max_len=m))
+    state = dec.init_state()
+    prompt = np.full((1, 32), 3, np.int32)
+    state, pre = dec.prefill(
+        state,
+        np.array([0]),
+        prompt[:, :m],
+        np.array([m - 3]),
+        np.array([100]),
+        np.zeros(1, np.float32),
+        np.zeros(1, np.int32),
+        np.ones(1, np.float32),
+    )
+    n = 1
+    while bool(np.asarray(state.active)[0]):
+        state, out = dec.round(state)
+        assert int(out.verified[0]) <= m - 2 - (m - 3 + n - 1)  # room left for drafts
+        n += int(out.num_emitted[0])
+        assert int(state.seq_len[0]) <= m - 1
+    assert int(out.finish[0]) == 2 and n == 3  # FINISH_LENGTH after M - P tokens
+
+
+def test_inactive_slots_untouched_and_packed_rows(target):
+    model, params = target
+    drafter, dparams = _drafter("dspark")
+    r, g = 3, 4
+    dec = SpeculativeDecoder(model, params, drafter, dparams, StepConfig(num_slots=r, max_len=32))
+    state = dec.init_state()
+    state, _ = dec.prefill(
+        state,
+        np.array([1]),
+        np.array([[4, 5, 6] + [0] * 13]),
+        np.array([3]),
+        np.array([20]),
+        np.zeros(1, np.float32),
+        np.zeros(1, np.int32),
+        np.ones(1, np.float32),
+    )
+    before = jax.tree.map(np.array, state._replace(rng=None))
+    state, out = dec.round(state)
+    after = jax.tree.map(np.array, state._replace(rng=None))
+    for s in (0, 2):
+        for name in ("seq_len", "anchor", "remaining", "active", "ctx_tokens", "ctx_feats"):
+            np.testing.assert_array_equal(getattr(before, name)[s], getattr(after, name)[s])
+        np.testing.assert_array_equal(before.cache.k[:, s], after.cache.k[:, s])
+        np.testing.assert_array_equal(before.cache.v[:, s], after.cache.v[:, s])
+        assert int(out.num_emitted[s]) == 0 and int(out.verified[s]) == 0
+    assert int(after.seq_len[1]) == 3 + int(out.accepted[1]) + 1
+
+    # The verify pass runs on R + K packed rows: the LM head's logits are [R + K, V] and
+    # nothing of the unpruned size R·(G+1) x V is materialised when K is small.
+    for k in (2, r * g):
+        hlo = dec._round.lower(dec._params, state, k).as_text()
+        assert f"tensor<{r + k}x{V}xf32>" in hlo
+        if k < r * g:
+            assert f"tensor<{r * (g + 1)}x{V}xf32>" not in hlo
+
+
+def test_errors_name_the_problem(target):
+    model, params = target
+    dflash, dfp = _drafter("dflash")
+    for mode in ("threshold", "prefix", "topk"):
+        with pytest.raises(ValueError, match="confidence head"):
+            SpeculativeDecoder(model, params, dflash, dfp, StepConfig(1, 16, scheduler=mode))
+    with pytest.raises(ValueError, match="Unknown scheduler 'greedy'"):
+        StepConfig(1, 16, scheduler="greedy")
+    dspark, dsp = _drafter("dspark")
+    dec = SpeculativeDecoder(model, params, dspark, dsp, StepConfig(2, 16, scheduler="prefix"))
+    with pytest.raises(ValueError, match="needs an SPS table"):
+        dec.round(dec.init_state())
+    with pytest.raises(ValueError, match="SPS table has shape"):
+        dec.set_sps_table(jnp.ones(3))
+    dec = SpeculativeDecoder(model, params, dspark, dsp, StepConfig(2, 16))
+    with pytest.raises(ValueError, match="verify budget"):
+        dec.round(dec.init_state(), 99)
+    with pytest.raises(ValueError, match="prompt has 20 tokens but the cache holds 16"):
+        Runner(dec).generate([Request([1] * 20, 4)])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        SpeculativeDecoder(model, params, dspark, dsp, StepConfig(2, 1000))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dflash", "eagle3", "mtp1"])
+@pytest.mark.parametrize("mode", ["none"])
+def test_greedy_other_kinds_without_speculation(target, kind, mode):
+    _greedy_case(target, kind, mode, n_prompts=5, max_new=8)

@@ -1,0 +1,340 @@
+"""Drafter training: anchors/packing, the four drafter kinds in the shared loop (1 device and
+a fake 8-device mesh), kill-and-resume exactness, export, config errors.
+
+Fixtures build a tiny random Qwen3 target (the "tiny" preset with the vocabulary of a BPE
+trained here) as a Hugging Face directory, and a tiny distillation data set written with
+``dspark_jax.data.distill``'s own chunk format and TFDS builder (real Python source as the
+"generated" tokens, so there is structure to learn).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.config import ConfigError, load_config
+from dspark_jax.train import anchors as A
+from dspark_jax.train import read_metrics, train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "configs", "drafter_tiny.py")
+_FILES = ("abc", "bisect", "colorsys", "copy", "heapq", "keyword", "numbers", "queue")
+
+
+def build_tiny_target(root, vocab_text_files=_FILES):
+    """(target_dir, tokenizer): a random tiny Qwen3 HF dir whose LM head is scaled up so
+    ``p_t`` is peaked (a near-uniform target would make the L1 term trivial)."""
+    from flax.core import meta
+
+    from dspark_jax.convert import save_hf
+    from dspark_jax.data.tokenizer_train import train_bpe_tokenizer
+    from dspark_jax.models.presets import PRESETS
+    from dspark_jax.models.qwen3 import Qwen3
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    texts = [open(os.path.join(stdlib, f + ".py")).read() for f in vocab_text_files]
+    target = os.path.join(root, "target")
+    os.makedirs(target, exist_ok=True)
+    tok = train_bpe_tokenizer(texts, 320, out_path=os.path.join(target, "tokenizer.json"))
+    cfg = PRESETS["tiny"].replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id)
+    params = Qwen3(cfg).init(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))["params"]
+    params = jax.tree.map(np.asarray, meta.unbox(params))
+    params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 30.0
+    save_hf(target, cfg, params, dtype="float32")
+    return target, tok, texts
+
+
+def build_tiny_distill(out, tok, texts, target_config, n_train=96, n_heldout=16, seed=0):
+    """A distill_dataset with records ``prompt (8..12 tokens) + continuation`` cut from
+    ``texts``; some end early with EOS so batches contain padding."""
+    from dspark_jax.data import distill as D
+
+    rng = np.random.default_rng(seed)
+    ids = np.concatenate([np.asarray(tok.encode(t), np.int32) for t in texts])
+    work = os.path.join(out, D.WORK_DIRNAME)
+    for split, n in (("train", n_train), ("heldout", n_heldout)):
+        recs = []
+        for i in range(n):
+            start = int(rng.integers(0, len(ids) - 64))
+            length = int(rng.integers(20, 44))
+            toks = ids[start : start + length].copy()
+            if i % 4 == 0:
+                toks[-1] = tok.eos_id
+            recs.append({"tokens": toks, "prompt_len": int(rng.integers(8, 13)),
+                         "window_start": start, "source_path": f"{split}/{i}.py"})  # fmt: skip
+        D._save_chunk(D._chunk_path(__import__("pathlib").Path(work), split, 0), recs)
+    manifest = {
+        "pad_id": tok.pad_id,
+        "eos_id": tok.eos_id,
+        "tokenizer_sha1": hashlib.sha1(tok.path.read_bytes()).hexdigest(),
+        "target_config": json.loads(target_config.to_json()),
+    }
+    builder = D.DistillDataset(
+        work_dir=work, metadata={"manifest": manifest}, data_dir=str(out),
+        file_format="array_record",
+    )  # fmt: skip
+    builder.download_and_prepare()
+    shutil.rmtree(work)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    from dspark_jax.convert import read_hf_config
+
+    root = tmp_path_factory.mktemp("drafter_env")
+    target, tok, texts = build_tiny_target(str(root))
+    data = build_tiny_distill(str(root / "distill"), tok, texts, read_hf_config(target))
+    return {"target": target, "data": data, "tok": tok}
+
+
+def _overrides(env, **kw):
+    out = [("target.dir", env["target"]), ("data.data_dir", env["data"])]
+    return out + [(k.replace("__", "."), str(v)) for k, v in kw.items()]
+
+
+def _cfg(env, kind="dspark", **kw):
+    return load_config(f"{TINY}:{kind}", _overrides(env, **kw))
+
+
+def _losses(workdir):
+    return {m["step"]: m["loss"] for m in read_metrics(workdir) if m["kind"] == "train"}
+
+
+# -- anchors and packing ------------------------------------------------------------------
+def test_anchors_are_supervised_distinct_and_resampled():
+    b, t, n = 6, 40, 5
+    rng = np.random.default_rng(0)
+    mask = np.zeros((b, t), np.int32)
+    for i in range(b):
+        p, e = int(rng.integers(1, 12)), int(rng.integers(20, t + 1))
+        mask[i, p:e] = 1
+    mask[5] = 0
+    mask[5, 30:33] = 1  # only anchors 30, 31 eligible: fewer than n
+    elig = np.asarray(A.eligible_anchors(jnp.asarray(mask)))
+    seen = set()
+    for step in range(30):
+        pos, valid = A.sample_anchors(jax.random.key(step), jnp.asarray(mask), n)
+        pos, valid = np.asarray(pos), np.asarray(valid)
+        for i in range(b):
+            chosen = pos[i][valid[i]]
+            assert len(set(chosen)) == len(chosen)  # without replacement
+            for a in chosen:
+                assert a >= 1 and mask[i, a] and mask[i, a + 1]
+            assert valid[i].sum() == min(n, elig[i].sum())
+            assert list(chosen) == sorted(chosen)
+        seen.add(tuple(pos[0]))
+        assert sorted(pos[5][valid[5]]) == [30, 31]
+    assert len(seen) > 20  # resampled every step
+    # Uniform: every eligible position of row 0 is chosen about n/#eligible of the time.
+    counts = np.zeros(t)
+    for step in range(400):
+        pos, valid = A.sample_anchors(jax.random.key(1000 + step), jnp.asarray(mask), n)
+        np.add.at(counts, np.asarray(pos[0])[np.asarray(valid[0])], 1)
+    freq = counts[elig[0]] / 400
+    np.testing.assert_allclose(freq, n / elig[0].sum(), atol=0.12)
+    assert counts[~elig[0]].sum() == 0
+
+
+def test_pack_blocks_indices_and_label_masks():
+    tokens = jnp.arange(2 * 12, dtype=jnp.int32).reshape(2, 12) + 100
+    mask = jnp.zeros((2, 12), jnp.int32).at[0, 3:10].set(1).at[1, 2:12].set(1)
+    pos = jnp.array([[3, 7], [9, 0]], jnp.int32)
+    valid = jnp.array([[True, True], [True, False]])
+    p = A.pack_blocks(tokens, mask, pos, valid, gamma=4)
+    np.testing.assert_array_equal(p.block_seq, [0, 0, 1, 1])
+    np.testing.assert_array_equal(p.anchor_pos, [3, 7, 9, 0])
+    np.testing.assert_array_equal(p.block_tokens[0], [103, 104, 105, 106])
+    np.testing.assert_array_equal(p.labels[0], [104, 105, 106, 107])
+    np.testing.assert_array_equal(p.block_tokens[2], [121, 122, 123, 123])  # clipped at T
+    # Labels only where supervised and inside the sequence; invalid anchors fully masked.
+    np.testing.assert_array_equal(p.label_valid[0], [1, 1, 1, 1])
+    np.testing.assert_array_equal(p.label_valid[1], [1, 1, 0, 0])  # mask ends at 10
+    np.testing.assert_array_equal(p.label_valid[2], [1, 1, 0, 0])  # T = 12
+    np.testing.assert_array_equal(p.label_valid[3], [0, 0, 0, 0])
+    np.testing.assert_array_equal(p.label_pos[1], [8, 9, 10, 11])
+    g = A.group_blocks(p, batch_size=2, num_groups=2)
+    assert g.block_tokens.shape == (2, 2, 4)
+    np.testing.assert_array_equal(g.block_seq, [[0, 0], [0, 0]])
+    np.testing.assert_array_equal(g.anchor_pos, [[3, 7], [9, 0]])
+
+
+def test_grouped_packed_forward_equals_per_block_forward(env):
+    """The task's vmapped, grouped forward gives each block what a lone forward gives it."""
+    from dspark_jax.train.trainer import make_task
+
+    cfg = _cfg(env, "dspark", drafter__pack_sequences=2)
+    task = make_task(cfg)
+    params = __import__("flax").linen.unbox(task.init_params(jax.random.key(0)))
+    frozen, _ = task.frozen_params(
+        __import__("dspark_jax.sharding", fromlist=["x"]).make_mesh(1, 1, 1, jax.devices()[:1])
+    )
+    b, t = 4, 20
+    tokens = jax.random.randint(jax.random.key(1), (b, t), 3, 300)
+    mask = jnp.ones((b, t), jnp.int32).at[:, :4].set(0)
+    pos, valid = A.sample_anchors(jax.random.key(2), mask, 3)
+    packed = A.pack_blocks(tokens, mask, pos, valid, 4)
+    feats, _ = task._target_features(frozen, tokens)
+    ctx_valid = jnp.ones((b, t), bool)
+    logits, conf = task._block_forward(params, frozen, feats, ctx_valid, packed)
+    module = task.module()
+    for i in range(packed.block_seq.shape[0]):
+        s = int(packed.block_seq[i])
+        lone, lone_c = module.apply(
+            {"params": params}, feats[s : s + 1], ctx_valid[s : s + 1],
+            packed.block_tokens[i : i + 1], jnp.zeros((1,), jnp.int32),
+            packed.anchor_pos[i : i + 1], task._embed(frozen), task._lm_head(frozen),
+            method="train_forward",
+        )  # fmt: skip
+        np.testing.assert_allclose(logits[i], lone[0], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(conf[i], lone_c[0], rtol=1e-4, atol=1e-4)
+
+
+# -- training runs ------------------------------------------------------------------------
+KINDS = ("dspark", "dflash", "eagle3", "mtp1")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trains_with_decreasing_loss_and_sharded_run_matches(env, kind, tmp_path):
+    cfg = _cfg(env, kind)
+    w1 = str(tmp_path / "one")
+    summary = train(cfg, w1, devices=jax.devices()[:1], progress=False)
+    losses1 = _losses(w1)
+    steps = cfg.train.steps
+    assert sorted(losses1) == list(range(1, steps + 1))
+    first, last = np.mean([losses1[s] for s in (1, 2, 3)]), np.mean(
+        [losses1[s] for s in (steps - 2, steps - 1, steps)]
+    )
+    assert last < first - 0.05 * abs(first), (kind, first, last)
+    evals = [m for m in read_metrics(w1) if m["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [6, 12]
+    g = 1 if kind == "mtp1" else 4
+    for k in range(1, g + 1):
+        assert 0.0 <= evals[-1][f"heldout_accept_k{k}"] <= 1.0
+    assert evals[-1]["heldout_label_positions"] > 0
+    assert (kind == "dspark") == ("heldout_conf_ece" in evals[-1])
+    assert summary["tokens_per_s"] > 0
+
+    assert len(jax.devices()) == 8
+    w8 = str(tmp_path / "eight")
+    train(_cfg(env, kind, mesh__data=2, mesh__fsdp=2, mesh__tensor=2), w8, progress=False)
+    losses8 = _losses(w8)
+    a = np.array([losses1[s] for s in sorted(losses1)])
+    b = np.array([losses8[s] for s in sorted(losses8)])
+    np.testing.assert_allclose(a, b, rtol=0, atol=2e-3)
+
+
+def test_rnn_head_trains(env, tmp_path):
+    cfg = _cfg(env, "dspark_rnn", train__steps=6, train__eval_every=0)
+    train(cfg, str(tmp_path), devices=jax.devices()[:1], progress=False)
+    losses = _losses(str(tmp_path))
+    assert losses[6] < losses[1]
+
+
+def test_export_writes_loadable_drafter_with_card(env, tmp_path):
+    from dspark_jax.convert import read_hf_config
+    from dspark_jax.export import main as export_main
+    from dspark_jax.export import restore_params
+    from dspark_jax.models.drafter_io import load_drafter
+
+    cfg = _cfg(env, "dspark", train__steps=4, train__eval_every=4)
+    work = str(tmp_path / "w")
+    train(cfg, work, devices=jax.devices()[:1], progress=False)
+    out = str(tmp_path / "out")
+    assert export_main(["--workdir", work, "--out", out, "--dtype", "float32"]) == 0
+    card = json.load(open(os.path.join(out, "model_card.json")))
+    assert card["kind"] == "dspark" and card["steps"] == 4 and card["parameters"] > 0
+    assert "heldout_accept_k1" in card["heldout"]
+    assert "accepted length" in open(os.path.join(out, "README.md")).read()
+    module, params = load_drafter(out, read_hf_config(env["target"]))
+    _, _, _, trained = restore_params(work, tasks=("drafter",))
+    jax.tree.map(
+        lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+        jax.device_get(trained),
+        params,
+    )
+    assert export_main(["--workdir", work, "--out", str(tmp_path / "o2"),
+                        "--dtype", "bfloat16"]) == 0  # fmt: skip
+
+
+def test_config_errors(env, tmp_path):
+    with pytest.raises(ConfigError, match="drafter.kind"):
+        _cfg(env, "dspark", drafter__kind="medusa")
+    with pytest.raises(ConfigError, match="loss.decay"):
+        _cfg(env, "dspark", loss__decay=0.0)
+    with pytest.raises(ConfigError, match="drafter.anchors_per_seq"):
+        _cfg(env, "dspark", drafter__anchors_per_seq=0)
+    cases = [
+        (dict(target__dir=str(tmp_path / "none")), FileNotFoundError, "Target directory"),
+        (dict(data__data_dir=str(tmp_path)), FileNotFoundError, "Distillation data not found"),
+        (dict(drafter__mask_token="<|nope|>"), ValueError, "mask token '<\\|nope\\|>'"),
+        (dict(drafter__anchors_per_seq=64), ValueError, "exceeds data.seq_len"),
+        (dict(drafter__taps="(1, 3)"), ValueError, "out of range"),
+        (dict(drafter__kind="dflash", loss__alpha_conf=1.0), ValueError, "no confidence"),
+    ]
+    for kw, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            train(_cfg(env, "dspark", **kw), str(tmp_path / "w"), progress=False)
+    with pytest.raises(ValueError, match="gamma must be 1"):
+        train(_cfg(env, "mtp1", drafter__gamma=3), str(tmp_path / "w"), progress=False)
+
+
+# -- kill and resume ----------------------------------------------------------------------
+def _cli(cfg_spec, workdir, *extra):
+    return [sys.executable, "train.py", "--config", cfg_spec, "--workdir", workdir,
+            "--no-progress", *extra]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_kill_and_resume_replays_the_same_losses(env, tmp_path):
+    env_vars = dict(os.environ)
+    env_vars["XLA_FLAGS"] = " ".join(
+        f for f in env_vars.get("XLA_FLAGS", "").split() if "device_count" not in f
+    )
+    env_vars["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax_cache")
+    env_vars["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    steps = 60
+    extra = [f"--config.{k}={v}" for k, v in _overrides(env)]
+    extra += [f"--config.train.steps={steps}", "--config.train.checkpoint_every=15",
+              "--config.train.eval_every=0"]  # fmt: skip
+    spec = f"{TINY}:dspark"
+    ref = str(tmp_path / "ref")
+    subprocess.run(_cli(spec, ref, *extra), cwd=REPO, env=env_vars, check=True,
+                   capture_output=True)  # fmt: skip
+    ref_losses = _losses(ref)
+    assert sorted(ref_losses) == list(range(1, steps + 1))
+
+    work = str(tmp_path / "killed")
+    proc = subprocess.Popen(_cli(spec, work, *extra), cwd=REPO, env=env_vars,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    ckpt_dir = os.path.join(work, "checkpoints")
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.isdir(ckpt_dir) and [d for d in os.listdir(ckpt_dir) if d.isdigit()]:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "training finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max((m["step"] for m in read_metrics(work)), default=0)
+    assert killed_at < steps
+
+    out = subprocess.run(_cli(spec, work, *extra), cwd=REPO, env=env_vars, check=True,
+                         capture_output=True)  # fmt: skip
+    assert '"resumed": true' in out.stdout.decode()
+    resumed = _losses(work)
+    assert sorted(resumed) == list(range(1, steps + 1))
+    for s in range(1, steps + 1):
+        assert resumed[s] == ref_losses[s], (s, resumed[s], ref_losses[s])
