@@ -49,9 +49,7 @@ def restore_params(
     cfg = load_run_config(workdir)
     task = make_task(cfg)
     if task.name not in tasks:
-        raise ValueError(
-            f"{workdir} trained task {task.name!r}; this export handles {list(tasks)}"
-        )
+        raise ValueError(f"{workdir} trained task {task.name!r}; this export handles {list(tasks)}")
     model_config = task.model_config()
     ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
     if not os.path.isdir(ckpt_dir):

@@ -32,6 +32,7 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("norm", None),
     ("layers", None),
     ("rank", None),  # low-rank sequential-head factors
+    ("rank_in", None),  # input side of the RNN/gated head projections
     ("taps", None),
     # activations
     ("activation_batch", BATCH_AXES),

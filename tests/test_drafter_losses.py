@@ -88,8 +88,9 @@ def test_confidence_target_is_detached_and_p_t_is_frozen():
     assert np.all(np.asarray(gd) == 0) and np.all(np.asarray(gt) == 0)
     assert np.any(np.asarray(gc) != 0)
     g_tv = jax.grad(
-        lambda t: L.dspark_loss(jnp.asarray(draft), None, t, jnp.asarray(labels),
-                                jnp.asarray(mask), alpha_conf=0.0)[0]  # fmt: skip
+        lambda t: L.dspark_loss(
+            jnp.asarray(draft), None, t, jnp.asarray(labels), jnp.asarray(mask), alpha_conf=0.0
+        )[0]  # fmt: skip
     )(jnp.asarray(target))
     assert np.all(np.asarray(g_tv) == 0)
 
@@ -161,3 +162,22 @@ def test_position_weights():
     )
     with pytest.raises(ValueError, match="decay"):
         L.position_weights(3, 0.0)
+
+
+def test_eagle3_block_loss_equals_sequence_loss_on_the_same_states():
+    """Scoring only states a-1 of chosen anchors gives eagle3_loss restricted to them."""
+    rng = np.random.default_rng(5)
+    g, s, t, v = 3, 2, 9, 6
+    steps = rng.normal(size=(g, s, t, v))
+    nxt = rng.normal(size=(s, t, v))
+    states = [(0, 1), (0, 4), (1, 2), (1, 5)]  # (sequence, state a-1)
+    mask = np.zeros((g, s, t), bool)
+    for b, u in states:
+        mask[:, b, u] = True
+    mask[2, 1, 5] = False
+    want, _ = L.eagle3_loss(jnp.asarray(steps), jnp.asarray(nxt), jnp.asarray(mask))
+    blocks = np.stack([steps[:, b, u] for b, u in states])  # [N, γ, V]
+    tgt = np.stack([np.stack([nxt[b, u + 1 + i] for i in range(g)]) for b, u in states])
+    bmask = np.stack([mask[:, b, u] for b, u in states])
+    got, _ = L.eagle3_block_loss(jnp.asarray(blocks), jnp.asarray(tgt), jnp.asarray(bmask))
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)

@@ -190,42 +190,64 @@ def test_grouped_packed_forward_equals_per_block_forward(env):
     ctx_valid = jnp.ones((b, t), bool)
     logits, conf = task._block_forward(params, frozen, feats, ctx_valid, packed)
     module = task.module()
-    for i in range(packed.block_seq.shape[0]):
-        s = int(packed.block_seq[i])
-        lone, lone_c = module.apply(
-            {"params": params}, feats[s : s + 1], ctx_valid[s : s + 1],
-            packed.block_tokens[i : i + 1], jnp.zeros((1,), jnp.int32),
-            packed.anchor_pos[i : i + 1], task._embed(frozen), task._lm_head(frozen),
-            method="train_forward",
+
+    @jax.jit
+    def lone(s, bt, ap):  # one block against its own sequence only
+        f = jax.lax.dynamic_slice_in_dim(feats, s, 1)
+        v = jax.lax.dynamic_slice_in_dim(ctx_valid, s, 1)
+        return module.apply(
+            {"params": params}, f, v, bt[None], jnp.zeros((1,), jnp.int32), ap[None],
+            task._embed(frozen), task._lm_head(frozen), method="train_forward",
         )  # fmt: skip
-        np.testing.assert_allclose(logits[i], lone[0], rtol=1e-4, atol=1e-4)
+
+    for i in range(packed.block_seq.shape[0]):
+        lone_l, lone_c = lone(packed.block_seq[i], packed.block_tokens[i], packed.anchor_pos[i])
+        np.testing.assert_allclose(logits[i], lone_l[0], rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(conf[i], lone_c[0], rtol=1e-4, atol=1e-4)
 
 
 # -- training runs ------------------------------------------------------------------------
-KINDS = ("dspark", "dflash", "eagle3", "mtp1")
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_trains_with_decreasing_loss_and_sharded_run_matches(env, kind, tmp_path):
-    cfg = _cfg(env, kind)
-    w1 = str(tmp_path / "one")
-    summary = train(cfg, w1, devices=jax.devices()[:1], progress=False)
-    losses1 = _losses(w1)
+def _check_run(cfg, kind, workdir, summary):
+    losses1 = _losses(workdir)
     steps = cfg.train.steps
     assert sorted(losses1) == list(range(1, steps + 1))
-    first, last = np.mean([losses1[s] for s in (1, 2, 3)]), np.mean(
-        [losses1[s] for s in (steps - 2, steps - 1, steps)]
-    )
+    first = np.mean([losses1[s] for s in (1, 2, 3)])
+    last = np.mean([losses1[s] for s in (steps - 2, steps - 1, steps)])
     assert last < first - 0.05 * abs(first), (kind, first, last)
-    evals = [m for m in read_metrics(w1) if m["kind"] == "eval"]
+    evals = [m for m in read_metrics(workdir) if m["kind"] == "eval"]
     assert [e["step"] for e in evals] == [6, 12]
     g = 1 if kind == "mtp1" else 4
     for k in range(1, g + 1):
         assert 0.0 <= evals[-1][f"heldout_accept_k{k}"] <= 1.0
     assert evals[-1]["heldout_label_positions"] > 0
     assert (kind == "dspark") == ("heldout_conf_ece" in evals[-1])
+    assert 0.0 <= evals[-1].get("heldout_conf_ece", 0.0) <= 1.0
     assert summary["tokens_per_s"] > 0
+    return losses1
+
+
+@pytest.fixture(scope="module")
+def dspark_run(env, tmp_path_factory):
+    cfg = _cfg(env, "dspark")
+    workdir = str(tmp_path_factory.mktemp("dspark_run"))
+    summary = train(cfg, workdir, devices=jax.devices()[:1], progress=False)
+    return cfg, workdir, summary
+
+
+# The block path (DSpark) and the sequence path (EAGLE-3) run by default; DFlash and MTP-1
+# reuse those code paths and are marked slow to keep the file fast on 2 cores.
+@pytest.mark.parametrize(
+    "kind",
+    ["dspark", "eagle3", pytest.param("dflash", marks=pytest.mark.slow),
+     pytest.param("mtp1", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_trains_with_decreasing_loss_and_sharded_run_matches(env, dspark_run, kind, tmp_path):
+    if kind == "dspark":
+        cfg, w1, summary = dspark_run
+    else:
+        cfg, w1 = _cfg(env, kind), str(tmp_path / "one")
+        summary = train(cfg, w1, devices=jax.devices()[:1], progress=False)
+    losses1 = _check_run(cfg, kind, w1, summary)
 
     assert len(jax.devices()) == 8
     w8 = str(tmp_path / "eight")
@@ -236,6 +258,15 @@ def test_trains_with_decreasing_loss_and_sharded_run_matches(env, kind, tmp_path
     np.testing.assert_allclose(a, b, rtol=0, atol=2e-3)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle3", "mtp1"])
+def test_anchor_positions_mode_trains(env, kind, tmp_path):
+    cfg = _cfg(env, kind, drafter__sequence_positions="anchors")
+    summary = train(cfg, str(tmp_path), devices=jax.devices()[:1], progress=False)
+    _check_run(cfg, kind, str(tmp_path), summary)
+
+
+@pytest.mark.slow
 def test_rnn_head_trains(env, tmp_path):
     cfg = _cfg(env, "dspark_rnn", train__steps=6, train__eval_every=0)
     train(cfg, str(tmp_path), devices=jax.devices()[:1], progress=False)
@@ -243,20 +274,18 @@ def test_rnn_head_trains(env, tmp_path):
     assert losses[6] < losses[1]
 
 
-def test_export_writes_loadable_drafter_with_card(env, tmp_path):
+def test_export_writes_loadable_drafter_with_card(env, dspark_run, tmp_path):
     from dspark_jax.convert import read_hf_config
     from dspark_jax.export import main as export_main
     from dspark_jax.export import restore_params
     from dspark_jax.models.drafter_io import load_drafter
 
-    cfg = _cfg(env, "dspark", train__steps=4, train__eval_every=4)
-    work = str(tmp_path / "w")
-    train(cfg, work, devices=jax.devices()[:1], progress=False)
+    _, work, _ = dspark_run
     out = str(tmp_path / "out")
     assert export_main(["--workdir", work, "--out", out, "--dtype", "float32"]) == 0
     card = json.load(open(os.path.join(out, "model_card.json")))
-    assert card["kind"] == "dspark" and card["steps"] == 4 and card["parameters"] > 0
-    assert "heldout_accept_k1" in card["heldout"]
+    assert card["kind"] == "dspark" and card["steps"] == 12 and card["parameters"] > 0
+    assert card["heldout_step"] == 12 and "heldout_accept_k1" in card["heldout"]
     assert "accepted length" in open(os.path.join(out, "README.md")).read()
     module, params = load_drafter(out, read_hf_config(env["target"]))
     _, _, _, trained = restore_params(work, tasks=("drafter",))
@@ -267,6 +296,8 @@ def test_export_writes_loadable_drafter_with_card(env, tmp_path):
     )
     assert export_main(["--workdir", work, "--out", str(tmp_path / "o2"),
                         "--dtype", "bfloat16"]) == 0  # fmt: skip
+    assert export_main(["--workdir", work, "--out", str(tmp_path / "o3"),
+                        "--dtype", "float16"]) == 2  # fmt: skip
 
 
 def test_config_errors(env, tmp_path):

@@ -86,8 +86,11 @@ def _run_two_processes(corpus, workdir: str, cache_dir: str) -> None:
     cmd += [f"--config.{k}={v}" for k, v in _overrides(corpus)]
     procs = [
         subprocess.Popen(
-            cmd + ["--process-id", str(i)], cwd=REPO, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            cmd + ["--process-id", str(i)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )  # fmt: skip
         for i in range(2)
     ]
@@ -99,7 +102,7 @@ def _run_two_processes(corpus, workdir: str, cache_dir: str) -> None:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+    for i, (p, (_, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"process {i} failed:\n{err.decode()[-4000:]}"
 
 

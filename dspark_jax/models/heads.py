@@ -54,11 +54,13 @@ class SequentialHead(nn.Module):
         self.markov_w1 = _param(self, "markov_w1", (v, r), ("vocab", "rank"), init, pd)
         self.markov_w2 = _param(self, "markov_w2", (r, v), ("rank", "vocab"), init, pd)
         if self.kind == "gated":
-            self.gate_kernel = _param(self, "gate_kernel", (d + r, r), ("rank", "rank"), init, pd)
+            self.gate_kernel = _param(
+                self, "gate_kernel", (d + r, r), ("rank_in", "rank"), init, pd
+            )
             self.gate_bias = _param(self, "gate_bias", (r,), ("rank",), nn.initializers.zeros, pd)
         if self.kind == "rnn":
             self.joint_kernel = _param(
-                self, "joint_kernel", (2 * r + d, 3 * r), ("rank", "rank"), init, pd
+                self, "joint_kernel", (2 * r + d, 3 * r), ("rank_in", "rank"), init, pd
             )
             self.joint_bias = _param(
                 self, "joint_bias", (3 * r,), ("rank",), nn.initializers.zeros, pd

@@ -85,14 +85,18 @@ def per_device_bytes(tree: Any) -> int:
         sharding = getattr(leaf, "sharding", None)
         if sharding is not None:
             shape = sharding.shard_shape(shape)
-        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+        total += math.prod(shape) * _itemsize(leaf.dtype)
     return int(total)
 
 
+def _itemsize(dtype) -> int:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):  # typed PRNG keys: 2 x uint32
+        return 8
+    return np.dtype(dtype).itemsize
+
+
 def global_bytes(tree: Any) -> int:
-    return int(
-        sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-    )
+    return int(sum(math.prod(x.shape) * _itemsize(x.dtype) for x in jax.tree.leaves(tree)))
 
 
 def _count(tree: Any) -> int:
@@ -131,7 +135,10 @@ def _with_fit(report: dict[str, Any], device_memory_gb: float | None) -> dict[st
 def _abstract(boxed_tree, mesh):
     """Unboxed ``ShapeDtypeStruct``s with the rules-table shardings of a boxed abstract tree."""
     sh = shd.param_shardings(boxed_tree, mesh)
-    plain = nn.unbox(boxed_tree)
+    # Not nn.unbox: under the rules context it would add sharding constraints to the
+    # abstract leaves (an eager op on ShapeDtypeStructs).
+    boxed = lambda x: isinstance(x, nn.Partitioned)
+    plain = jax.tree.map(lambda x: x.value if boxed(x) else x, boxed_tree, is_leaf=boxed)
     return (
         jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), plain, sh),
         sh,
@@ -237,9 +244,7 @@ def _abstract_drafter_task(cfg):
             out by the rules table exactly as ``frozen_params`` places the loaded weights."""
             fcfg = self.frozen_config()
             boxed = jax.eval_shape(
-                lambda: Qwen3(fcfg).init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32))[
-                    "params"
-                ]
+                lambda: Qwen3(fcfg).init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32))["params"]
             )
             return _abstract(boxed, mesh)
 

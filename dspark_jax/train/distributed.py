@@ -149,7 +149,9 @@ def resolve_num_shards(num_shards: int | None, process_count: int, batch_size: i
             f"{process_count}; use a multiple of every process count you run on"
         )
     if batch_size % s:
-        raise ValueError(f"data.batch_size = {batch_size} is not divisible by data.num_shards = {s}")
+        raise ValueError(
+            f"data.batch_size = {batch_size} is not divisible by data.num_shards = {s}"
+        )
     return s
 
 

@@ -112,7 +112,9 @@ def dspark_loss(
         terms["l_conf"] = weighted_mean(bce_with_logits(conf_logits, c_star), w)
         loss = loss + alpha_conf * terms["l_conf"]
     elif alpha_conf:
-        raise ValueError("alpha_conf > 0 needs confidence logits (a drafter with a confidence head)")
+        raise ValueError(
+            "alpha_conf > 0 needs confidence logits (a drafter with a confidence head)"
+        )
     return loss, terms
 
 
@@ -149,6 +151,21 @@ def eagle3_loss(
     den = jnp.maximum(den, 1e-12)
     loss = num / den
     return loss, {"l_soft_ce": loss, "accept": acc / den}
+
+
+def eagle3_block_loss(
+    step_logits: Array, target_logits: Array, mask: Array, *, step_weight: float = 0.8
+) -> tuple[Array, dict[str, Array]]:
+    """EAGLE-3 loss on packed blocks: ``step_logits [N, γ, V]`` (step i of block n predicts
+    the token at ``a_n+1+i``), ``target_logits [N, γ, V]`` the target's logits for the same
+    tokens, ``mask [N, γ]``. Soft CE with step weights ``0.8^i``, ``Σ w·ℓ / Σ w`` — the
+    same formula as :func:`eagle3_loss`, restricted to the states ``a_n - 1``."""
+    gamma = step_logits.shape[1]
+    w = (step_weight ** jnp.arange(gamma, dtype=jnp.float32))[None, :] * mask.astype(jnp.float32)
+    p_t = jax.lax.stop_gradient(jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1))
+    loss = weighted_mean(soft_cross_entropy(step_logits, p_t), w)
+    acc = jax.lax.stop_gradient(jnp.sum(jnp.minimum(jax.nn.softmax(step_logits, -1), p_t), -1))
+    return loss, {"l_soft_ce": loss, "accept": weighted_mean(acc, w)}
 
 
 def mtp_loss(logits: Array, labels: Array, mask: Array) -> tuple[Array, dict[str, Array]]:

@@ -89,6 +89,7 @@ def _step_weight_check(v):
 CHOICES["drafter.kind"] = list(KINDS)
 CHOICES["drafter.head"] = list(HEADS) + [None]
 CHOICES["target.dtype"] = ["float32", "bfloat16"]
+CHOICES["drafter.sequence_positions"] = ["all", "anchors"]
 for _key in ("drafter.gamma", "drafter.anchors_per_seq", "drafter.eval_anchors_per_seq",
              "drafter.pack_sequences"):  # fmt: skip
     VALIDATORS[_key] = _positive(_key)
@@ -118,6 +119,9 @@ def drafter_default_config(kind: str = "dspark") -> ConfigDict:
             "anchors_per_seq": 32,  # N: anchors sampled per sequence and step
             "eval_anchors_per_seq": 32,
             "pack_sequences": 1,  # sequences sharing one packed attention call
+            # EAGLE-3 / MTP-1 loss positions: "all" eligible positions, or the sampled
+            # "anchors" only (LM head only there; same labels per step as DSpark).
+            "sequence_positions": "all",
         }
     )
     cfg.target = ml_collections.ConfigDict({"dir": "assets/target", "dtype": "float32"})
@@ -411,24 +415,58 @@ class DrafterTask(Task):
         pad = jnp.zeros((x.shape[0], n) + x.shape[2:], x.dtype)
         return jnp.concatenate([x[:, n:], pad], axis=1)[:, : x.shape[1]]
 
-    def _sequence_loss(self, params, frozen, feats, h, batch):
-        """EAGLE-3 / MTP-1 loss over every position t whose anchor ``t+1`` is eligible."""
+    def _sequence_loss(self, params, frozen, feats, h, batch, packed, anchor_pos, anchor_valid):
+        """EAGLE-3 / MTP-1 loss. Returns ``(loss, terms, block logits [N, G, V], count)``
+        with the drafter's logits for the blocks of ``packed`` (state ``a-1``, step i
+        predicts ``a+1+i``).
+
+        ``drafter.sequence_positions = "all"``: every position t whose anchor ``t+1`` is
+        eligible (EAGLE-3's usual training-time test). ``"anchors"``: only the states
+        ``a-1`` of the sampled anchors, with the target LM head applied only there (a
+        sparse LM-head callable), so EAGLE-3 sees the same labels per step as DSpark and
+        does not pay ``γ·B·T·V`` LM-head work on CPU.
+        """
         dc, tokens, loss_mask = self.drafter_config, batch["tokens"], batch["loss_mask"]
-        t = tokens.shape[1]
+        b, t = tokens.shape
         valid = jnp.arange(t)[None, :] < batch["length"][:, None]
-        out = self._sequence_forward(params, frozen, feats, tokens, valid)
+        rows = jnp.arange(b)[:, None]
+        sel = jnp.where(anchor_valid, anchor_pos - 1, 0)  # [B, N] state that drafts block
+        head = self._lm_head(frozen)
+        sparse = self.cfg.drafter.sequence_positions == "anchors"
+
+        def sparse_head(hn):  # [B, T, d] -> [B, T, V], nonzero only at the anchor states
+            lg = head(hn[rows, sel])
+            return jnp.zeros(hn.shape[:-1] + lg.shape[-1:], lg.dtype).at[rows, sel].set(lg)
+
+        module = self.module()
+        out = module.apply(
+            {"params": params}, feats, tokens, valid, self._embed(frozen),
+            sparse_head if sparse else head, method="train_forward",
+        )  # fmt: skip
+        out = out[None] if dc.kind == "mtp1" else out  # [G, B, T, V]
+        g = out.shape[0]
+        blocks = jnp.transpose(out[:, rows, sel], (1, 2, 0, 3)).reshape(-1, g, out.shape[-1])
+        if sparse:
+            tgt = self._target_logits_at_labels(frozen, h, packed)
+            mask = packed.label_valid
+            if dc.kind == "mtp1":
+                loss, terms = L.mtp_loss(blocks[:, 0], packed.labels[:, 0], mask[:, 0])
+            else:
+                loss, terms = L.eagle3_block_loss(
+                    blocks, tgt, mask, step_weight=float(self.cfg.loss.eagle3_step_weight)
+                )
+            return loss, terms, blocks, jnp.sum(mask[:, 0])
         elig = self._shift_left(A.eligible_anchors(loss_mask), 1)  # anchor t+1 eligible
         if dc.kind == "mtp1":
-            labels = self._shift_left(tokens, 2)
-            loss, terms = L.mtp_loss(out[0], labels, elig)
+            loss, terms = L.mtp_loss(out[0], self._shift_left(tokens, 2), elig)
         else:
             sup = loss_mask.astype(bool)
             mask = jnp.stack([elig & self._shift_left(sup, 2 + i) for i in range(dc.gamma)])
-            next_logits = jax.lax.stop_gradient(self._lm_head(frozen)(h))
+            next_logits = jax.lax.stop_gradient(head(h))
             loss, terms = L.eagle3_loss(
                 out, next_logits, mask, step_weight=float(self.cfg.loss.eagle3_step_weight)
             )
-        return loss, terms, out
+        return loss, terms, blocks, jnp.sum(elig)
 
     # -- losses --------------------------------------------------------------------------
     def _block_loss(self, params, frozen, feats, h, batch, packed):
@@ -455,8 +493,15 @@ class DrafterTask(Task):
             loss, terms, _ = self._block_loss(params, frozen, feats, h, batch, packed)
             count = jnp.sum(packed.label_valid)
         else:
-            loss, terms, _ = self._sequence_loss(params, frozen, feats, h, batch)
-            count = jnp.sum(A.eligible_anchors(batch["loss_mask"]))
+            n = self.cfg.drafter.anchors_per_seq
+            anchor_pos, anchor_valid = A.sample_anchors(rng, batch["loss_mask"], n)
+            packed = A.pack_blocks(
+                batch["tokens"], batch["loss_mask"], anchor_pos, anchor_valid,
+                self.drafter_config.draft_len,
+            )  # fmt: skip
+            loss, terms, _, count = self._sequence_loss(
+                params, frozen, feats, h, batch, packed, anchor_pos, anchor_valid
+            )
         return loss, dict(terms, label_positions=count.astype(jnp.float32))
 
     # -- held-out metrics ----------------------------------------------------------------
@@ -474,12 +519,11 @@ class DrafterTask(Task):
             loss, _, (logits, conf, tgt) = self._block_loss(params, frozen, feats, h, batch, packed)
             loss_count = jnp.sum(packed.label_valid)
         else:
-            loss, _, out = self._sequence_loss(params, frozen, feats, h, batch)
-            # Step i at position a-1 predicts a+1+i: the same blocks as DSpark's.
-            steps = jnp.arange(g)[None, :]
-            logits = out[steps, packed.block_seq[:, None], (packed.anchor_pos - 1)[:, None]]
+            # Step i at state a-1 predicts a+1+i: the same blocks as DSpark's.
+            loss, _, logits, loss_count = self._sequence_loss(
+                params, frozen, feats, h, batch, packed, anchor_pos, anchor_valid
+            )
             tgt = self._target_logits_at_labels(frozen, h, packed)
-            loss_count = jnp.sum(A.eligible_anchors(loss_mask))
         mask = packed.label_valid.astype(jnp.float32)
         acc = L.acceptance(logits, tgt)  # [N, γ]
         sums = {"loss_sum": loss * loss_count, "loss_count": loss_count.astype(jnp.float32)}
@@ -617,8 +661,10 @@ def export_drafter(workdir: str, out: str, step: int | None = None, dtype: str =
         "| k | " + " | ".join(str(k) for k in range(1, dc.draft_len + 1)) + " |",
         "|---|" + "---|" * dc.draft_len,
         "| α_k | "
-        + " | ".join(f"{last.get(f'heldout_accept_k{k}', float('nan')):.3f}"
-                     for k in range(1, dc.draft_len + 1))  # fmt: skip
+        + " | ".join(
+            f"{last.get(f'heldout_accept_k{k}', float('nan')):.3f}"
+            for k in range(1, dc.draft_len + 1)
+        )  # fmt: skip
         + " |",
         "",
         f"τ_tf (teacher-forced accepted length) = {last.get('heldout_tau_tf', float('nan')):.3f}",
