@@ -1,0 +1,170 @@
+"""Per-device memory of the full-size DSpark drafter training step (Qwen3-4B/8B/14B targets)
+and of the serving decode round, from ahead-of-time compilation on fake CPU devices.
+
+Every row is one ``python train.py --config ... --aot`` run in its own process (so each can
+choose its device count), with nothing allocated: the numbers are XLA's per-device plan
+(``compiled.memory_analysis()``), see ``dspark_jax/train/aot.py``.
+
+    python benchmarks/aot_memory.py [--quick] [--out benchmarks/results/aot_memory]
+
+Writes ``<out>.json`` (all reports) and ``<out>.md`` (the table). ``--quick`` runs only the
+8B fsdp-64 row (about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (name, config, devices, mesh data,fsdp,tensor, extra overrides, serve?)
+TRAIN_ROWS = [
+    ("4B fsdp64", "drafter_dspark_qwen3_4b.py", 64, "1,64,1", [], False),
+    ("4B data8xfsdp8", "drafter_dspark_qwen3_4b.py", 64, "8,8,1", [], False),
+    ("8B fsdp64", "drafter_dspark_qwen3_8b.py", 64, "1,64,1", [], False),
+    ("8B data8xfsdp8", "drafter_dspark_qwen3_8b.py", 64, "8,8,1", [], False),
+    (
+        "8B fsdp64 T=2048",
+        "drafter_dspark_qwen3_8b.py",
+        64,
+        "1,64,1",
+        ["--config.data.seq_len=2048"],
+        False,
+    ),  # fmt: skip
+    ("14B fsdp64", "drafter_dspark_qwen3_14b.py", 64, "1,64,1", [], False),
+    ("14B data8xfsdp8", "drafter_dspark_qwen3_14b.py", 64, "8,8,1", [], False),
+    (
+        "8B serve R=64 M=4096 tp8",
+        "drafter_dspark_qwen3_8b.py",
+        8,
+        "1,1,8",
+        ["--aot-serve", "--slots", "64", "--max-len", "4096"],
+        True,
+    ),  # fmt: skip
+    (
+        "14B serve R=64 M=4096 tp8",
+        "drafter_dspark_qwen3_14b.py",
+        8,
+        "1,1,8",
+        ["--aot-serve", "--slots", "64", "--max-len", "4096"],
+        True,
+    ),  # fmt: skip
+]
+QUICK = {"8B fsdp64"}
+DEVICE_GB = {"v5p (95 GB)": 95.0, "H200 (141 GB)": 141.0}
+
+
+def run_row(name, config, devices, mesh, extra, timeout) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "report.json")
+        cmd = [sys.executable, "train.py", "--config", os.path.join("configs", config), "--aot",
+               "--aot-devices", str(devices), "--aot-mesh", mesh, "--aot-device-memory-gb", "95",
+               "--aot-out", out, *extra]  # fmt: skip
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name}: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            report = json.load(f)
+    report.update(name=name, config=config, wall_s=round(wall, 1), command=" ".join(cmd[1:-2]))
+    return report
+
+
+def _gb(b) -> str:
+    return f"{b / 1e9:.2f}"
+
+
+def markdown(reports: list[dict]) -> str:
+    lines = [
+        "# AOT memory per device (fake CPU devices, nothing allocated)",
+        "",
+        "Produced by `python benchmarks/aot_memory.py`. DSpark drafter at DeepSpec's released "
+        "size (5 layers, Markov rank 256, γ = 7, 32 anchors/sequence), bf16 compute, fp32 "
+        "master weights + AdamW moments, frozen target in bf16; global batch 64 sequences × "
+        "T tokens. Bytes are per device (GB = 1e9). `peak = arguments + outputs − aliased "
+        "(donated state) + temp`. temp is the CPU compiler's plan (TPU/GPU schedules differ; "
+        "treat it as an estimate); parameter/optimizer/target bytes are exact.",
+        "",
+        "| run | mesh (data,fsdp,tensor) | T | drafter params | opt state | frozen target | "
+        "temp | peak | fits v5p 95 GB | fits H200 141 GB | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in reports:
+        if r["kind"] != "train_step":
+            continue
+        m, pd = r["memory"], r["per_device"]
+        mesh = ",".join(str(r["mesh"][a]) for a in ("data", "fsdp", "tensor"))
+        fits = [("yes" if m["peak_bytes"] <= gb * 1e9 else "**no**") for gb in DEVICE_GB.values()]
+        lines.append(
+            f"| {r['name']} | {mesh} | {r['seq_len']} | {_gb(pd['params_bytes'])} | "
+            f"{_gb(pd['opt_state_bytes'])} | {_gb(pd['frozen_bytes'])} | {_gb(m['temp_bytes'])} | "
+            f"{_gb(m['peak_bytes'])} | {fits[0]} | {fits[1]} | {r['compile_s']:.0f} |"
+        )
+    serve = [r for r in reports if r["kind"] == "serve_round"]
+    if serve:
+        lines += [
+            "",
+            "Serving decode round (one fused draft → schedule → verify → commit executable, "
+            "verify budget K = R·γ, bf16 weights and KV cache):",
+            "",
+            "| run | mesh | slots R | max_len | target | drafter | KV cache | decode state (KV + "
+            "drafter context) | temp | peak | compile s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in serve:
+            m, pd = r["memory"], r["per_device"]
+            mesh = ",".join(str(r["mesh"][a]) for a in ("data", "fsdp", "tensor"))
+            lines.append(
+                f"| {r['name']} | {mesh} | {r['slots']} | {r['max_len']} | "
+                f"{_gb(pd['target_bytes'])} | {_gb(pd['drafter_bytes'])} | "
+                f"{_gb(pd['kv_cache_bytes'])} | {_gb(pd['state_bytes'])} | {_gb(m['temp_bytes'])} | "
+                f"{_gb(m['peak_bytes'])} | "
+                f"{r['compile_s']:.0f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "aot_memory"))
+    p.add_argument("--quick", action="store_true", help="only the 8B fsdp-64 row")
+    p.add_argument("--only", nargs="*", help="row names to run (default: all)")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per row")
+    p.add_argument("--render", action="store_true", help="only rewrite <out>.md from <out>.json")
+    args = p.parse_args(argv)
+    if args.render:
+        with open(args.out + ".json") as f:
+            reports = json.load(f)
+        with open(args.out + ".md", "w") as f:
+            f.write(markdown(reports))
+        return 0
+    rows = [r for r in TRAIN_ROWS if not args.quick or r[0] in QUICK]
+    if args.only:
+        rows = [r for r in rows if r[0] in args.only]
+    reports = []
+    for name, config, devices, mesh, extra, _ in rows:
+        print(f"[aot_memory] {name} ...", flush=True)
+        r = run_row(name, config, devices, mesh, extra, args.timeout)
+        print(
+            f"[aot_memory] {name}: peak {r['memory']['peak_bytes'] / 1e9:.2f} GB/device, "
+            f"compile {r['compile_s']:.0f}s",
+            flush=True,
+        )
+        reports.append(r)
+        # Written after every row: a long run can be inspected (or resumed by --only).
+        with open(args.out + ".json", "w") as f:
+            json.dump(reports, f, indent=2)
+        with open(args.out + ".md", "w") as f:
+            f.write(markdown(reports))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
