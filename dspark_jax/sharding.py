@@ -31,7 +31,10 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("kv", None),
     ("norm", None),
     ("layers", None),
-    ("rank", None),  # low-rank sequential-head factors
+    # Low-rank sequential-head factors (Markov W1 [vocab, rank], W2 [rank, vocab]): split
+    # over fsdp, which their vocab axis (tensor) leaves free; without it the ~0.3 GB fp32
+    # factors (+ AdamW moments) are replicated on an fsdp-only mesh.
+    ("rank", "fsdp"),
     ("rank_in", None),  # input side of the RNN/gated head projections
     ("taps", None),
     # activations

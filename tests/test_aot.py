@@ -9,17 +9,23 @@ allocated).
 from __future__ import annotations
 
 import os
+import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dspark_jax import sharding as shd
-from dspark_jax.config import load_config
+from dspark_jax.config import ConfigError, load_config
+from dspark_jax.models.drafter_config import DrafterConfig
+from dspark_jax.models.drafters import init_drafter_params, make_drafter
 from dspark_jax.models.presets import get_preset
 from dspark_jax.models.qwen3 import Qwen3
 from dspark_jax.train import aot
+
+P = jax.sharding.PartitionSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = os.path.join(REPO, "configs", "drafter_dspark_qwen3_0_6b.py")
@@ -32,13 +38,18 @@ SMALL = [
 
 
 @pytest.fixture(scope="module")
-def reports():
+def compiled_steps():
     cfg = load_config(CFG, SMALL)
     out = {}
     for fsdp in (1, 8):
         mesh = shd.make_mesh(8 // fsdp, fsdp, 1)
-        out[fsdp], _ = aot.compile_train_step(cfg, mesh, device_memory_gb=95)
+        out[fsdp] = aot.compile_train_step(cfg, mesh, device_memory_gb=95)
     return out
+
+
+@pytest.fixture(scope="module")
+def reports(compiled_steps):
+    return {k: v[0] for k, v in compiled_steps.items()}
 
 
 def test_memory_report_present_and_consistent(reports):
@@ -75,6 +86,80 @@ def test_per_device_bytes_shrink_with_fsdp(reports):
     assert reports[8]["memory"]["argument_bytes"] < reports[1]["memory"]["argument_bytes"]
     # With fsdp = 1 every device holds the whole model.
     assert one["frozen_bytes"] == reports[1]["global"]["frozen_bytes"]
+
+
+def _vocab_buffers(hlo_text: str, vocab: int) -> set[tuple[int, ...]]:
+    """Shapes of every f32/bf16 buffer of the executable with a vocabulary-sized axis."""
+    out = set()
+    for dims in re.findall(r"(?:f32|bf16)\[([\d,]+)\]", hlo_text):
+        shape = tuple(int(d) for d in dims.split(","))
+        if vocab in shape:
+            out.add(shape)
+    return out
+
+
+def test_drafter_activations_split_over_batch_axes(compiled_steps):
+    """fsdp = 8: each device holds the logits of its own B·N·γ/8 block tokens, never the
+    global [B·N·γ, V] (the partitioner used to contract the fsdp-split weights instead and
+    all-reduce global-batch activations, ~40 GB/device on the 8B config)."""
+    cfg = load_config(CFG, SMALL)
+    vocab = get_preset("qwen3-0.6b").vocab_size
+    rows = cfg.data.batch_size * cfg.drafter.anchors_per_seq * cfg.drafter.gamma  # 224
+    shapes = _vocab_buffers(compiled_steps[8][1].as_text(), vocab)
+    local = [s for s in shapes if np.prod(s) // vocab == rows // 8]
+    assert local, f"no per-device logits buffer among {sorted(shapes)}"
+    full = [s for s in shapes if np.prod(s) // vocab == rows]  # weights: d, rank or d/8
+    assert not full, f"global-batch vocabulary-sized buffers on every device: {full}"
+
+
+def test_markov_factors_split_over_fsdp():
+    v, r = 151936, 256
+    fsdp = shd.make_mesh(1, 8, 1)  # (the size-1 tensor axis in a spec splits nothing)
+    assert shd.logical_to_spec(("vocab", "rank"), (v, r), fsdp) == P("tensor", "fsdp")
+    assert shd.logical_to_spec(("rank", "vocab"), (r, v), fsdp) == P("fsdp", "tensor")
+    cube = shd.make_mesh(2, 2, 2)
+    assert shd.logical_to_spec(("vocab", "rank"), (v, r), cube) == P("tensor", "fsdp")
+    # A rank the fsdp axis does not divide stays replicated.
+    assert shd.logical_to_spec(("rank", "vocab"), (6, v), fsdp) == P(None, "tensor")
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_drafter_remat_same_loss_and_grads(remat):
+    """drafter.remat wraps each draft layer in nn.remat: identical loss and gradients."""
+    tgt = get_preset("tiny")
+    dc = DrafterConfig(kind="dspark", gamma=4, num_layers=2, mask_token_id=1, markov_rank=8)
+    embed = jax.random.normal(jax.random.PRNGKey(0), (tgt.vocab_size, tgt.hidden_size))
+    s, t, n = 2, 16, 6
+    drafters = {m: make_drafter(dc, tgt.replace(remat=m)) for m in ("none", remat)}
+    params = nn.unbox(init_drafter_params(drafters["none"], jax.random.PRNGKey(1)))
+    nf = len(drafters["none"].config.taps) * tgt.hidden_size
+    feats = jax.random.normal(jax.random.PRNGKey(2), (s, t, nf))
+    toks = jax.random.randint(jax.random.PRNGKey(3), (n, 4), 0, tgt.vocab_size)
+    seq = jnp.array([0, 0, 0, 1, 1, 1])
+    anchor = jnp.array([1, 5, 9, 2, 7, 11])
+
+    def loss(p, m):
+        logits, conf = drafters[m].apply(
+            {"params": p}, feats, jnp.ones((s, t), bool), toks, seq, anchor, embed, embed,
+            method="train_forward",
+        )  # fmt: skip
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 3]) + jnp.mean(conf**2)
+
+    fn = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    (l0, g0), (l1, g1) = fn(params, "none"), fn(params, remat)
+    assert float(l0) == float(l1)
+    assert jax.tree.structure(g0) == jax.tree.structure(g1)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), g0, g1)
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss), static_argnums=1)(params, remat))
+    assert "checkpoint" in jaxpr or "remat" in jaxpr
+
+
+def test_drafter_remat_config_key():
+    task = aot.aot_task(load_config(CFG, SMALL + [("drafter.remat", "full")]))
+    assert task.model_config().remat == "full"
+    assert task.module().target.remat == "full"
+    with pytest.raises(ConfigError, match="drafter.remat"):
+        load_config(CFG, SMALL + [("drafter.remat", "sometimes")])
 
 
 def test_remat_flag_same_gradients_less_memory():

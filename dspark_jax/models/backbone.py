@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.models.qwen3 import (
+    ACT_AXES,
     MLP,
+    REMAT_POLICIES,
     Projection,
     Qwen3Config,
     RMSNorm,
@@ -150,6 +152,27 @@ class DraftDecoderLayer(nn.Module):
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, (k, v)
 
+    def block_step(
+        self,
+        h: Array,
+        h_ctx: Array,
+        ctx_positions: Array,
+        block_positions: Array,
+        ctx_mask: Array,
+        shared_context: bool,
+    ) -> Array:
+        """One parallel-backbone layer (``ParallelBackbone``): context K/V of ``h_ctx``,
+        then attention of the block ``h`` over ``[context ; block]`` and the MLP.
+
+        The unit that ``nn.remat`` wraps (``Qwen3Config.remat``): it covers the context
+        K/V too, the largest per-layer activation of packed training."""
+        kc, vc = self.context_kv(h_ctx, ctx_positions)
+        if shared_context:
+            kc = kc.reshape((-1,) + kc.shape[-2:])
+            vc = vc.reshape((-1,) + vc.shape[-2:])
+        out, _ = self(self.attn_input(h), h, block_positions, [(kc, vc, ctx_mask)], own="block")
+        return out
+
 
 class ParallelBackbone(nn.Module):
     """DFlash/DSpark parallel block backbone over target tap features (DESIGN §3.2)."""
@@ -169,9 +192,18 @@ class ParallelBackbone(nn.Module):
             param_dtype=cfg.weight_dtype,
         )
         self.hidden_norm = RMSNorm(**kw)
-        self.layers = [
-            DraftDecoderLayer(cfg, name=f"layers_{i}") for i in range(cfg.num_hidden_layers)
-        ]
+        layer_cls = DraftDecoderLayer
+        if cfg.remat != "none":
+            # Gradient checkpointing per draft layer (same policies as the target's layers;
+            # forward values unchanged). Argument 6 of block_step (self = 0) is the static
+            # ``shared_context`` flag. Parameter paths stay ``layers_{i}/...``.
+            layer_cls = nn.remat(
+                DraftDecoderLayer,
+                policy=REMAT_POLICIES[cfg.remat],
+                static_argnums=(6,),
+                methods=["block_step"],
+            )
+        self.layers = [layer_cls(cfg, name=f"layers_{i}") for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(**kw)
 
     def context(self, feats: Array) -> Array:
@@ -182,7 +214,10 @@ class ParallelBackbone(nn.Module):
                 f"context features have last dim {feats.shape[-1]}, expected "
                 f"{self.num_taps} taps x hidden_size {self.config.hidden_size} = {want}"
             )
-        return self.hidden_norm(self.fc(feats))
+        # Activation constraints (as after every target layer): without them the weights'
+        # fsdp-split ``embed`` axis propagates into the activations' last axis and pushes
+        # the batch axis off the mesh (global-batch activations on every device).
+        return nn.with_logical_constraint(self.hidden_norm(self.fc(feats)), ACT_AXES)
 
     def __call__(
         self,
@@ -203,11 +238,8 @@ class ParallelBackbone(nn.Module):
         h = block_embeds
         mask = ctx_mask[:, None, :]  # same context visibility for every token of a block
         for layer in self.layers:
-            kc, vc = layer.context_kv(h_ctx, ctx_positions)
-            if shared_context:
-                kc = kc.reshape((-1,) + kc.shape[-2:])
-                vc = vc.reshape((-1,) + vc.shape[-2:])
-            h, _ = layer(layer.attn_input(h), h, block_positions, [(kc, vc, mask)], own="block")
+            h = layer.block_step(h, h_ctx, ctx_positions, block_positions, mask, shared_context)
+            h = nn.with_logical_constraint(h, ACT_AXES)
         return self.norm(h)
 
 

@@ -35,14 +35,16 @@ import math
 import os
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from dspark_jax import sharding as shd
 from dspark_jax.config import CHOICES, VALIDATORS, ConfigDict, ConfigError
 from dspark_jax.models.drafter_config import HEADS, KINDS, DrafterConfig
-from dspark_jax.models.qwen3 import Qwen3, Qwen3Config
+from dspark_jax.models.qwen3 import REMAT_POLICIES, Qwen3, Qwen3Config
 from dspark_jax.train import anchors as A
 from dspark_jax.train import drafter_losses as L
 from dspark_jax.train.trainer import Task, default_config, register_task
@@ -90,6 +92,7 @@ CHOICES["drafter.kind"] = list(KINDS)
 CHOICES["drafter.head"] = list(HEADS) + [None]
 CHOICES["target.dtype"] = ["float32", "bfloat16"]
 CHOICES["drafter.sequence_positions"] = ["all", "anchors"]
+CHOICES["drafter.remat"] = list(REMAT_POLICIES)
 for _key in ("drafter.gamma", "drafter.anchors_per_seq", "drafter.eval_anchors_per_seq",
              "drafter.pack_sequences"):  # fmt: skip
     VALIDATORS[_key] = _positive(_key)
@@ -122,6 +125,9 @@ def drafter_default_config(kind: str = "dspark") -> ConfigDict:
             # EAGLE-3 / MTP-1 loss positions: "all" eligible positions, or the sampled
             # "anchors" only (LM head only there; same labels per step as DSpark).
             "sequence_positions": "all",
+            # Gradient checkpointing of each draft layer (DSpark/DFlash backbone):
+            # "none" | "full" | "dots" (qwen3.REMAT_POLICIES). Same values, less memory.
+            "remat": "none",
         }
     )
     cfg.target = ml_collections.ConfigDict({"dir": "assets/target", "dtype": "float32"})
@@ -147,6 +153,59 @@ def _alphas(cfg: ConfigDict) -> tuple[float, float, float]:
 
 
 # ----------------------------------------------------------------------------------------
+# Batch sharding of the drafter's activations
+# ----------------------------------------------------------------------------------------
+def _batch_axes_dividing(n: int) -> tuple[str, ...]:
+    """The batch mesh axes (``data``, ``fsdp``; those of size > 1) of the current mesh when
+    their product divides ``n``, else ``()`` (no mesh, one device, or an uneven split)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    axes = tuple(a for a in shd.BATCH_AXES if mesh.shape.get(a, 1) > 1)
+    size = math.prod(mesh.shape[a] for a in axes)
+    return axes if axes and n % size == 0 else ()
+
+
+def _batch_constraint(x, axes: tuple[str, ...] | None = None):
+    """Split the leading axis of ``x`` over the batch mesh axes (``axes``, default: those
+    dividing it); a no-op without a mesh. Pins the layout that sharding propagation would
+    otherwise leave open after gathers and reshapes of the batch."""
+    axes = _batch_axes_dividing(x.shape[0]) if axes is None else axes
+    if not axes:
+        return x
+    spec = jax.sharding.PartitionSpec(axes, *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _gather_batch_axes(w, names):
+    """``w`` (logical axis ``names``) constrained to its rules-table layout minus the batch
+    axes: an explicit all-gather over data/fsdp that keeps any tensor split (the FSDP
+    gather of a weight before use). A no-op without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return w
+
+    def strip(axis):
+        members = () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+        members = tuple(m for m in members if m not in shd.BATCH_AXES)
+        return None if not members else (members[0] if len(members) == 1 else members)
+
+    spec = shd.logical_to_spec(names, w.shape, mesh)
+    return jax.lax.with_sharding_constraint(w, jax.sharding.PartitionSpec(*map(strip, spec)))
+
+
+def _rules_without(axes: tuple[str, ...]):
+    """The active logical-axis rules with the mesh axes ``axes`` removed from every entry
+    (for code vmapped with ``spmd_axis_name=axes``, which already owns those axes)."""
+    out = []
+    for name, axis in nn.get_logical_axis_rules():
+        members = () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+        members = tuple(m for m in members if m not in axes)
+        out.append((name, None if not members else (members[0] if len(members) == 1 else members)))
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------
 # The task
 # ----------------------------------------------------------------------------------------
 class DrafterTask(Task):
@@ -159,6 +218,7 @@ class DrafterTask(Task):
         self._target_config: Qwen3Config | None = None
         self._tokenizer = None
         self._drafter_config: DrafterConfig | None = None
+        self._head_names = None  # logical axis names of the sequential head's params
 
     # -- configs -------------------------------------------------------------------------
     @property
@@ -181,9 +241,11 @@ class DrafterTask(Task):
 
     def model_config(self) -> Qwen3Config:
         """The target's config as the drafter sees it: compute in ``train.compute_dtype``,
-        drafter params float32 (master weights)."""
+        drafter params float32 (master weights), ``drafter.remat`` for the draft layers."""
         return self._read_target_config().replace(
-            dtype=self.cfg.train.compute_dtype, param_dtype="float32"
+            dtype=self.cfg.train.compute_dtype,
+            param_dtype="float32",
+            remat=self.cfg.drafter.get("remat", "none"),  # absent in older run configs
         )
 
     def frozen_config(self) -> Qwen3Config:
@@ -355,7 +417,21 @@ class DrafterTask(Task):
         return jax.lax.stop_gradient(feats), h
 
     def _lm_head(self, frozen):
+        """The frozen LM head as a callable ``h [..., d] -> float32 logits [..., V]``.
+
+        Its weight is all-gathered over the batch axes first (FSDP: the ``embed`` axis is
+        split over ``fsdp``), so each device multiplies its own rows by the whole
+        ``[d, V]`` weight. Left to itself, the partitioner may instead contract the split
+        ``d`` axis and all-reduce a global-batch ``[rows, V]`` float32 partial product on
+        every device (the largest buffer of the step)."""
         target = self._target()
+        frozen = dict(frozen)
+        if "lm_head" in frozen:
+            k = frozen["lm_head"]["kernel"]
+            frozen["lm_head"] = {"kernel": _gather_batch_axes(k, ("embed", "vocab"))}
+        else:
+            e = frozen["embed_tokens"]["embedding"]
+            frozen["embed_tokens"] = {"embedding": _gather_batch_axes(e, ("vocab", "embed"))}
         return lambda h: target.apply({"params": frozen}, h, method="logits_from_hidden")
 
     def _embed(self, frozen):
@@ -365,35 +441,78 @@ class DrafterTask(Task):
 
     def _target_logits_at_labels(self, frozen, h, packed: A.PackedBlocks):
         """Target logits for each block label (LM head at ``a+k-1``, k = 1..γ): ``[N, γ, V]``.
-        Only ``B·N·γ`` rows go through the LM head, never ``[B, T, V]``."""
-        t = h.shape[1]
-        pos = jnp.minimum(packed.label_pos - 1, t - 1)
-        rows = h[packed.block_seq[:, None], pos]
-        return jax.lax.stop_gradient(self._lm_head(frozen)(rows))
+        Only ``B·N·γ`` rows go through the LM head, never ``[B, T, V]``.
+
+        The blocks are sequence-major (``pack_blocks``), so the rows are gathered per
+        sequence (``[B, N·γ]`` positions of its own row): the gather stays local to the
+        batch shard that holds the sequence, and the ``[N, γ, V]`` logits are split over
+        the batch axes like the batch itself."""
+        b, t = h.shape[:2]
+        n, g = packed.labels.shape
+        pos = jnp.minimum(packed.label_pos - 1, t - 1).reshape(b, (n // b) * g)
+        rows = jnp.take_along_axis(h, pos[..., None], axis=1).reshape(n, g, h.shape[-1])
+        rows = _batch_constraint(rows)
+        return _batch_constraint(jax.lax.stop_gradient(self._lm_head(frozen)(rows)))
+
+    def _gather_head_factors(self, params):
+        """``params`` with the sequential head's factors (Markov W1 ``[V, r]``, W2
+        ``[r, V]``; their ``rank`` axis is split over fsdp) all-gathered for the forward.
+
+        Left split, the partitioner contracts W2's split rank axis and all-reduces a
+        global-batch ``[B·N·γ, V]`` float32 bias on every device; gathered, each device
+        applies the whole (small: ``2·V·r``) factors to its own blocks."""
+        if "markov_head" not in params or jax.sharding.get_abstract_mesh().empty:
+            return params
+        if self._head_names is None:
+            from dspark_jax.models.drafters import init_drafter_params
+
+            boxed = jax.eval_shape(lambda k: init_drafter_params(self.module(), k),
+                                   jax.random.key(0))  # fmt: skip
+            self._head_names = shd.logical_names_of(boxed)["markov_head"]
+        head = jax.tree.map(_gather_batch_axes, params["markov_head"], self._head_names)
+        return dict(params, markov_head=head)
 
     def _block_forward(self, params, frozen, feats, ctx_valid, packed: A.PackedBlocks):
-        """DSpark/DFlash packed forward, vmapped over groups of ``pack_sequences`` sequences."""
+        """DSpark/DFlash packed forward, vmapped over groups of ``pack_sequences`` sequences.
+
+        Sharding: the group axis is the batch axis. When the mesh's batch axes (data × fsdp)
+        divide the number of groups, the inputs are split over them and the vmap carries
+        ``spmd_axis_name``, so every logical constraint inside (the backbone's per-layer
+        ``ACT_AXES``, the MLP's) also pins the group axis; inside a group
+        ``activation_batch`` is then left unsplit (a mesh axis shards one dimension only).
+        Otherwise (no mesh, or groups the batch axes do not divide) the inner
+        ``activation_batch`` constraint splits each group's blocks as before. Without the
+        group constraint the weights' fsdp-split ``embed`` axis propagated into the
+        activations and XLA kept the whole global batch of drafter activations and
+        ``[B·N·γ, V]`` logits on every device (benchmarks/aot_memory.md).
+        """
         b, t, f = feats.shape
         p = self.cfg.drafter.pack_sequences
         g = b // p
         grouped = A.group_blocks(packed, b, g)
         module, embed, lm_head = self.module(), self._embed(frozen), self._lm_head(frozen)
+        params = self._gather_head_factors(params)
+        axes = _batch_axes_dividing(g)
 
         def one(fe, va, bt, bs, ap):
-            return module.apply(
-                {"params": params}, fe, va, bt, bs, ap, embed, lm_head, method="train_forward"
-            )
+            with nn.logical_axis_rules(_rules_without(axes)):
+                return module.apply(
+                    {"params": params}, fe, va, bt, bs, ap, embed, lm_head,
+                    method="train_forward",
+                )  # fmt: skip
 
-        logits, conf = jax.vmap(one)(
+        ins = (
             feats.reshape(g, p, t, f),
             ctx_valid.reshape(g, p, t),
             grouped.block_tokens,
             grouped.block_seq,
             grouped.anchor_pos,
         )
+        ins = tuple(_batch_constraint(x, axes) for x in ins)
+        logits, conf = jax.vmap(one, spmd_axis_name=axes or None)(*ins)
         n = packed.block_seq.shape[0]
-        logits = logits.reshape((n,) + logits.shape[2:])
-        conf = None if conf is None else conf.reshape(n, -1)
+        logits = _batch_constraint(logits.reshape((n,) + logits.shape[2:]))
+        conf = None if conf is None else _batch_constraint(conf.reshape(n, -1))
         return logits, conf
 
     def _sequence_forward(self, params, frozen, feats, tokens, valid):
@@ -608,8 +727,6 @@ register_task("drafter", "dspark_jax.train.drafter_task:DrafterTask")
 # Export
 # ----------------------------------------------------------------------------------------
 def count_params(params) -> int:
-    import flax.linen as nn
-
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nn.unbox(params))))
 
 
@@ -622,8 +739,8 @@ def export_drafter(workdir: str, out: str, step: int | None = None, dtype: str =
     cfg, tcfg, step, params = restore_params(workdir, step, tasks=("drafter",))
     task = make_task(cfg)
     dc = task.drafter_config
-    written = save_drafter(out, dc, tcfg.replace(dtype="float32", param_dtype="float32"), params,
-                           dtype=dtype)  # fmt: skip
+    tcfg = tcfg.replace(dtype="float32", param_dtype="float32", remat="none")
+    written = save_drafter(out, dc, tcfg, params, dtype=dtype)
     evals = [m for m in read_metrics(workdir) if m.get("kind") == "eval" and m["step"] <= step]
     last = evals[-1] if evals else {}
     card = {
