@@ -79,7 +79,7 @@ def build_engine(args, drafter_dir, scheduler, models=None):
     if drafter is None:
         scheduler = "none"
     elif scheduler == "none":
-        drafter = dp = None
+        drafter = dp = sts = None  # no drafter: its STS temperatures go with it
     elif drafter.config.kind != "dspark" and scheduler in ("threshold", "prefix", "topk"):
         scheduler = "fixed"  # schedulers need a confidence head
     name = args.model_name or os.path.basename(os.path.normpath(args.target))
