@@ -23,6 +23,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TARGET = os.path.join(HERE, "assets", "target")
 DEFAULT_DRAFTER = os.path.join(HERE, "assets", "drafters", "dspark")
 HUMANEVAL = os.path.join(HERE, "..", "shared", "eval_datasets", "humaneval.jsonl")
+FALLBACK_PROMPTS = [
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "import os\n\n\ndef list_python_files(root):\n",
+    "class Stack:\n    def __init__(self):\n",
+    'def parse_header(line):\n    """Split an HTTP header line into name and value."""\n',
+]
 
 
 def parse_args(argv=None):
@@ -98,7 +104,9 @@ def build_engine(args, drafter_dir, scheduler, models=None):
 def humaneval_prompts(path: str, n: int) -> list[str]:
     """First turn of each record, formatted as code: the fenced code block (DESIGN §7)."""
     if not os.path.isfile(path):
-        raise SystemExit(f"error: {path} not found (HumanEval prompts for --demo)")
+        # Checkouts without ../shared still get a demo: a few code prompts of our own.
+        print(f"note: {path} not found; using built-in code prompts", file=sys.stderr)
+        return FALLBACK_PROMPTS[:n]
     out = []
     with open(path) as f:
         for line in f:
