@@ -5,43 +5,22 @@ Bundled drafter (DESIGN §8) for the "pycode-small" target in ``assets/target`` 
 ``data/distill`` (``python -m dspark_jax.data.distill --target assets/target ...``).
 
     python train.py --config configs/drafter_dspark_rnn.py --workdir workdirs/drafter_dspark_rnn
-    python -m dspark_jax.export --workdir workdirs/drafter_dspark_rnn --out assets/drafter_dspark_rnn
+    python -m dspark_jax.export --workdir workdirs/drafter_dspark_rnn --out assets/drafters/dspark_rnn
 
 Equal budgets across the bundled drafters (DSpark, DSpark-RNN, DFlash, EAGLE-3, MTP-1):
 same target, data, steps, batch (8 x 384 tokens = one 128-token prompt + 256 generated),
-optimiser and schedule. Budget: <= ~12 minutes each on 2 busy CPU cores (see BUDGET).
+optimiser and schedule, set in one place: ``dspark_jax.train.bundled``.
 """
 
-from dspark_jax.train.drafter_task import drafter_default_config
-
-# Measured on 2 CPU cores shared with a target training run (random pycode-small-sized
-# target, random data); see the report/README. STEPS is the same for every bundled drafter.
-STEPS = 100
-BUDGET = "RNN head ~ DSpark cost (measured ~3 s/step) -> 100 steps ~ 5 min"
+from dspark_jax.train.bundled import bundled_drafter_config
 
 
 def get_config():
-    cfg = drafter_default_config("dspark")
+    cfg = bundled_drafter_config("dspark")
     d = cfg.drafter
     d.gamma = 7
     d.num_layers = 2
     d.head = "rnn"
     d.rnn_rank = 64  # same size class as the Markov head's rank (see drafter_dspark.py)
     d.markov_rank = 64
-    d.anchors_per_seq = 32  # N: 32 blocks x 7 = 224 label positions of ~256 generated
-    d.eval_anchors_per_seq = 32
-    cfg.target.dir = "assets/target"
-    cfg.target.dtype = "float32"
-    cfg.data.data_dir = "data/distill"
-    cfg.data.seq_len = 384
-    cfg.data.batch_size = 8
-    cfg.train.steps = STEPS
-    cfg.train.lr = 1e-3  # DeepSpec uses 6e-4 for long runs; short CPU runs need more
-    cfg.train.warmup_frac = 0.04
-    cfg.train.min_lr_ratio = 0.1
-    cfg.train.log_every = 10
-    cfg.train.eval_every = 50
-    cfg.train.eval_batches = 4
-    cfg.train.checkpoint_every = 50
-    cfg.train.keep_checkpoints = 2
     return cfg
