@@ -20,7 +20,9 @@ def _load(path: pathlib.Path):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def acceptance_section(acc) -> list[str]:
+def acceptance_section(
+    acc, out_name: str = "acceptance.json", title: str = "## Acceptance (Table 1 analog)"
+) -> list[str]:
     args = acc["config"]["args"]
     cmd = (
         "python -m dspark_jax.eval acceptance --target assets/target "
@@ -29,7 +31,7 @@ def acceptance_section(acc) -> list[str]:
         + " ".join(f"--prompts {p}" for p in args["prompts"])
         + f" --temperature {' '.join(str(t) for t in args['temperature'])} --gamma {args['gamma']}"
         + f" --max-new-tokens {args['max_new_tokens']} --limit {args['limit']}"
-        + f" --slots {args['slots']} --out benchmarks/results/acceptance.json"
+        + f" --slots {args['slots']} --out benchmarks/results/{out_name}"
     )
     rows = acc["results"]
     drafters = list(dict.fromkeys(r["drafter"] for r in rows))
@@ -37,7 +39,7 @@ def acceptance_section(acc) -> list[str]:
     temps = sorted({r["temperature"] for r in rows})
     tau = {(r["drafter"], r["prompt_set"], r["temperature"]): r["tau"] for r in rows}
     out = [
-        "## Acceptance (Table 1 analog)",
+        title,
         "",
         f"Bundled target and drafters, γ = {args['gamma']}, fixed block (every draft verified), "
         f"first {args['limit']} prompts per set, {args['max_new_tokens']} new tokens. "
@@ -75,7 +77,9 @@ def acceptance_section(acc) -> list[str]:
         ca += [None] * (args["gamma"] - len(ca))  # MTP-1 drafts one token
         cells = ["–" if c is None or c != c else f"{c:.3f}" for c in ca]
         out.append(f"| {r['drafter']} | {r['prompt_set']} | " + " | ".join(cells) + " |")
-    out += ["", "![position-wise acceptance](benchmarks/results/figs/position_acceptance.png)", ""]
+    if out_name == "acceptance.json":
+        out += ["", "![position-wise acceptance](benchmarks/results/figs/position_acceptance.png)"]
+    out.append("")
     return out
 
 
@@ -218,6 +222,11 @@ def main() -> None:
     ]
     if acc:
         lines += acceptance_section(acc)
+    other = _load(RESULTS / "acceptance_other_sets.json")
+    if other:
+        lines += acceptance_section(
+            other, "acceptance_other_sets.json", "## Acceptance on the other prompt sets"
+        )
     lines += calibration_section(sts, acc)
     lines += verify_section(_load(RESULTS / "verify_cost.json"))
     lines += compile_section(_load(RESULTS / "compile_time.json"))
