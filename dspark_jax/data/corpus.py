@@ -404,6 +404,17 @@ def make_text_dataset(
     if not 0 <= shard_index < shard_count:
         raise ValueError(f"need 0 <= shard_index < shard_count, got {shard_index}/{shard_count}")
     ds_dir = find_dataset_dir(data_dir, name)
+    return open_split(ds_dir, split, seed, shuffle, shard_index, shard_count).map(_decode_record)
+
+
+def open_split(
+    ds_dir, split: str, seed: int, shuffle: bool, shard_index: int, shard_count: int
+) -> grain.MapDataset:
+    """One split of a prepared TFDS dataset as a (sharded, shuffled) grain ``MapDataset``.
+
+    Sharding is strided and applied before shuffling: shards are disjoint, cover the
+    split, and each host's order depends only on ``seed``. Records are not decoded.
+    """
     builder = tfds.builder_from_directory(str(ds_dir))
     if split not in builder.info.splits:
         raise ValueError(
@@ -420,4 +431,4 @@ def make_text_dataset(
             )
     if shuffle:
         ds = ds.shuffle(seed=seed)
-    return ds.map(_decode_record)
+    return ds

@@ -68,6 +68,7 @@ from dspark_jax.data.corpus import (
     _LocalBuilder,
     find_dataset_dir,
     make_text_dataset,
+    open_split,
     read_metadata,
 )
 from dspark_jax.tokenizer import TOKENIZER_FILENAME, Tokenizer
@@ -571,23 +572,7 @@ def make_distill_dataset(
         pad_id = read_metadata(ds_dir).get("manifest", {}).get("pad_id")
         if pad_id is None:
             raise ValueError(f"{ds_dir}/metadata.json records no pad_id; pass pad_id=")
-    builder = tfds.builder_from_directory(str(ds_dir))
-    if split not in builder.info.splits:
-        raise ValueError(
-            f"split {split!r} not in {ds_dir}; available: {sorted(builder.info.splits)}"
-        )
-    source = builder.as_data_source(split=split)
-    ds = grain.MapDataset.source(source)
-    if shard_count > 1:
-        # Strided and before shuffling: disjoint shards whose order depends only on seed.
-        ds = ds[shard_index::shard_count]
-        if len(ds) == 0:
-            raise ValueError(
-                f"shard {shard_index}/{shard_count} of {ds_dir} split {split!r} is empty "
-                f"({len(source)} records)"
-            )
-    if shuffle:
-        ds = ds.shuffle(seed=seed)
+    ds = open_split(ds_dir, split, seed, shuffle, shard_index, shard_count)
     if num_epochs != 1:
         ds = ds.repeat(num_epochs)  # grain reshuffles each epoch
     ds = ds.map(functools.partial(_to_row, seq_len=seq_len, pad_id=int(pad_id)))
