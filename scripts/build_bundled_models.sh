@@ -13,7 +13,7 @@ python -m dspark_jax.export --workdir workdirs/target_pycode --out assets/target
 python -m dspark_jax.eval.lm --target assets/target --data-dir data/stdlib
 
 python -m dspark_jax.data.distill --target assets/target --corpus-dir data/stdlib \
-    --out-dir data/distill --prompt-len 128 --max-new-tokens 256 --max-prompts 384 \
+    --out-dir data/distill --prompt-len 128 --max-new-tokens 256 --max-prompts 1536 \
     --batch-size 32 --temperature 1.0 --seed 0
 
 for kind in dspark dspark_rnn dflash eagle3 mtp1; do

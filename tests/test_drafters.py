@@ -169,6 +169,7 @@ def test_config_json_roundtrip_and_resolve(tmp_path):
         (dict(kind="mtp1", gamma=3), "gamma must be 1"),
         (dict(kind="dflash", confidence=True), "no confidence head"),
         (dict(markov_rank=-1), "markov_rank must be an integer >= 0"),
+        (dict(head_init="xavier"), "head_init must be one of"),
     ],
 )
 def test_config_errors(kw, match):
@@ -323,6 +324,35 @@ def test_markov_rank0_is_backbone():
     out = _draft_fn(dfl)(p0, feats, jnp.array([4, 6]), jnp.array([1, 2]), jax.random.key(3), 1.0)
     ref = jax.nn.softmax(_dflash_ref(dfl, p0, feats), -1)
     np.testing.assert_allclose(np.asarray(out.probs), np.asarray(ref), atol=1e-5)
+
+
+@pytest.mark.parametrize("head, factor", [("markov", 10.0), ("rnn", 2.0)])
+def test_zero_bias_head_init_starts_as_backbone_and_learns_fast(head, factor):
+    """``head_init="zero_bias"``: W2 = 0 so the drafter starts exactly at its backbone's
+    logits, W1 has unit scale, and W2's first gradient is orders of magnitude larger than
+    under the DeepSpec N(0, 0.02) init (the reason short budgets use it)."""
+    d, p = _drafter(head=head, head_init="zero_bias", rnn_rank=8)
+    dd, pd = _drafter(head=head, rnn_rank=8)
+    w1 = np.asarray(p["markov_head"]["markov_w1"])
+    assert np.all(np.asarray(p["markov_head"]["markov_w2"]) == 0)
+    assert 0.8 < w1.std() < 1.2 and np.asarray(pd["markov_head"]["markov_w1"]).std() < 0.05
+    feats, valid, toks, seq, anchor = _packed_batch(feature_dim(d.config, TGT))
+    logits, _, h = _train_fn(d)(p, feats, valid, toks, seq, anchor)
+    base = apply_lm_head(_target_io()[1], h, TGT.vocab_size)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(base))
+    embed, lm = _target_io()
+    labels = jnp.roll(toks, -1, axis=1)
+
+    def w2_grad_norm(mod, params):
+        def loss(w2):
+            q = dict(params, markov_head=dict(params["markov_head"], markov_w2=w2))
+            lg, _ = mod.apply({"params": q}, feats, valid, toks, seq, anchor, embed, lm,
+                              method="train_forward")  # fmt: skip
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(lg), labels[..., None], -1))
+
+        return float(jnp.linalg.norm(jax.grad(loss)(params["markov_head"]["markov_w2"])))
+
+    assert w2_grad_norm(d, p) > factor * w2_grad_norm(dd, pd)
 
 
 def _dflash_ref(d, p, feats):

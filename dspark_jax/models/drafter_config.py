@@ -22,6 +22,8 @@ from typing import Any
 
 KINDS = ("dspark", "dflash", "eagle3", "mtp1")
 HEADS = ("markov", "gated", "rnn", "none")
+# Initialisation of the sequential head's factors (see heads.SequentialHead).
+HEAD_INITS = ("deepspec", "zero_bias")
 
 # DeepSpec's released configs: 5 draft layers for DSpark/DFlash, 1 for EAGLE-3.
 _DEFAULT_LAYERS = {"dspark": 5, "dflash": 5, "eagle3": 1, "mtp1": 1}
@@ -73,6 +75,10 @@ class DrafterConfig:
       markov_rank: rank r of ``W1: V×r``, ``W2: r×V`` for the markov/gated heads
         (default 256; 0 disables the head).
       rnn_rank: state size and W1 rank of the RNN head (default 256).
+      head_init: how the head's W1/W2 start: ``deepspec`` (both N(0, 0.02), what DeepSpec's
+        Hugging Face ``_init_weights`` gives) or ``zero_bias`` (W1 ~ N(0, 1) like a fresh
+        embedding table, W2 = 0: the bias starts at exactly 0 and W2's gradient is O(1)
+        from step one, which short training budgets need; see heads.SequentialHead).
       confidence: confidence head on/off (default on for dspark, off otherwise).
       confidence_with_prev: feed ``W1[x_{k-1}]`` to the confidence head with ``h_k``
         (DeepSpec ``confidence_head_with_markov``; only when a head with W1 exists).
@@ -86,6 +92,7 @@ class DrafterConfig:
     head: str | None = None
     markov_rank: int = 256
     rnn_rank: int = 256
+    head_init: str = "deepspec"
     confidence: bool | None = None
     confidence_with_prev: bool = True
     mask_token_id: int | None = None
@@ -108,6 +115,8 @@ class DrafterConfig:
                 problems.append(f"{name} must be an integer >= 0, got {v!r}")
         if self.head is not None and self.head not in HEADS:
             problems.append(f"head must be one of {list(HEADS)}, got {self.head!r}")
+        if self.head_init not in HEAD_INITS:
+            problems.append(f"head_init must be one of {list(HEAD_INITS)}, got {self.head_init!r}")
         if self.taps is not None:
             if not self.taps or not all(_is_int(t) for t in self.taps):
                 problems.append(f"taps must be a non-empty list of integers, got {self.taps!r}")

@@ -115,6 +115,7 @@ class DSparkDrafter(nn.Module):
                 vocab_size=tgt.vocab_size,
                 rank=cfg.head_rank,
                 hidden_size=tgt.hidden_size,
+                init=cfg.head_init,
                 param_dtype=tgt.weight_dtype,
             )
         self.use_prev_in_conf = (

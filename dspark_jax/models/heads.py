@@ -35,12 +35,25 @@ def _param(module: nn.Module, name: str, shape, axes, init, dtype):
 
 
 class SequentialHead(nn.Module):
-    """Parameters of a DSpark sequential head (``markov`` | ``gated`` | ``rnn``)."""
+    """Parameters of a DSpark sequential head (``markov`` | ``gated`` | ``rnn``).
+
+    ``init`` sets how the factors start:
+
+    * ``deepspec``: W1, W2 (and the gate / joint kernels) ~ N(0, 0.02), which is what
+      DeepSpec's Hugging Face ``post_init`` gives its ``nn.Embedding``/``nn.Linear``. The
+      bias ``W1[x] W2`` then starts near 0 but both factors' gradients are scaled by the
+      other's 0.02 entries, so the head learns slowly; fine for long runs.
+    * ``zero_bias``: W1 ~ N(0, 1) (PyTorch's ``nn.Embedding`` default), W2 = 0. The bias
+      is exactly 0 at step 0 and W2's gradient ``W1[x]ᵀ (p_d - y)`` is O(1), so a bigram
+      correction is learnt within a short budget. The gated/RNN kernels take PyTorch's
+      ``nn.Linear`` default, U(±1/√fan_in).
+    """
 
     kind: str
     vocab_size: int
     rank: int
     hidden_size: int
+    init: str = "deepspec"
     param_dtype: Any = jnp.float32
 
     def setup(self):
@@ -48,19 +61,29 @@ class SequentialHead(nn.Module):
             raise ValueError(f"unknown sequential head {self.kind!r}")
         if self.rank < 1:
             raise ValueError(f"sequential head rank must be >= 1, got {self.rank}")
+        if self.init not in ("deepspec", "zero_bias"):
+            raise ValueError(f"unknown head init {self.init!r}; allowed: deepspec, zero_bias")
         v, r, d = self.vocab_size, self.rank, self.hidden_size
         init = nn.initializers.normal(0.02)
+        zero_bias = self.init == "zero_bias"
+        w1_init = nn.initializers.normal(1.0) if zero_bias else init
+        w2_init = nn.initializers.zeros if zero_bias else init
+        # PyTorch's nn.Linear default (U(±1/√fan_in)) for the gate / joint kernels, so the
+        # RNN output tanh(o) that multiplies W2 is O(1) rather than O(0.02·|z|).
+        proj_init = (
+            nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform") if zero_bias else init
+        )
         pd = self.param_dtype
-        self.markov_w1 = _param(self, "markov_w1", (v, r), ("vocab", "rank"), init, pd)
-        self.markov_w2 = _param(self, "markov_w2", (r, v), ("rank", "vocab"), init, pd)
+        self.markov_w1 = _param(self, "markov_w1", (v, r), ("vocab", "rank"), w1_init, pd)
+        self.markov_w2 = _param(self, "markov_w2", (r, v), ("rank", "vocab"), w2_init, pd)
         if self.kind == "gated":
             self.gate_kernel = _param(
-                self, "gate_kernel", (d + r, r), ("rank_in", "rank"), init, pd
+                self, "gate_kernel", (d + r, r), ("rank_in", "rank"), proj_init, pd
             )
             self.gate_bias = _param(self, "gate_bias", (r,), ("rank",), nn.initializers.zeros, pd)
         if self.kind == "rnn":
             self.joint_kernel = _param(
-                self, "joint_kernel", (2 * r + d, 3 * r), ("rank_in", "rank"), init, pd
+                self, "joint_kernel", (2 * r + d, 3 * r), ("rank_in", "rank"), proj_init, pd
             )
             self.joint_bias = _param(
                 self, "joint_bias", (3 * r,), ("rank",), nn.initializers.zeros, pd

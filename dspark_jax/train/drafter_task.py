@@ -43,7 +43,7 @@ import numpy as np
 
 from dspark_jax import sharding as shd
 from dspark_jax.config import CHOICES, VALIDATORS, ConfigDict, ConfigError
-from dspark_jax.models.drafter_config import HEADS, KINDS, DrafterConfig
+from dspark_jax.models.drafter_config import HEAD_INITS, HEADS, KINDS, DrafterConfig
 from dspark_jax.models.qwen3 import REMAT_POLICIES, Qwen3, Qwen3Config
 from dspark_jax.train import anchors as A
 from dspark_jax.train import drafter_losses as L
@@ -90,6 +90,7 @@ def _step_weight_check(v):
 
 CHOICES["drafter.kind"] = list(KINDS)
 CHOICES["drafter.head"] = list(HEADS) + [None]
+CHOICES["drafter.head_init"] = list(HEAD_INITS)
 CHOICES["target.dtype"] = ["float32", "bfloat16"]
 CHOICES["drafter.sequence_positions"] = ["all", "anchors"]
 CHOICES["drafter.remat"] = list(REMAT_POLICIES)
@@ -116,6 +117,9 @@ def drafter_default_config(kind: str = "dspark") -> ConfigDict:
             "head": None,  # dspark: markov (default) | gated | rnn | none
             "markov_rank": 256,
             "rnn_rank": 256,
+            # "deepspec": W1, W2 ~ N(0, 0.02); "zero_bias": W1 ~ N(0, 1), W2 = 0 (learns a
+            # bigram bias within short budgets; models/drafter_config.py).
+            "head_init": "deepspec",
             "confidence": None,  # None = on for dspark only
             "confidence_with_prev": True,
             "mask_token": "<|mask|>",  # name in the target tokenizer (dspark/dflash)
@@ -288,6 +292,7 @@ class DrafterTask(Task):
                     head=d.head,
                     markov_rank=d.markov_rank,
                     rnn_rank=d.rnn_rank,
+                    head_init=d.head_init,
                     confidence=d.confidence,
                     confidence_with_prev=d.confidence_with_prev,
                     mask_token_id=mask_id,
