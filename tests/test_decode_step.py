@@ -421,3 +421,44 @@ def test_errors_name_the_problem(target):
 @pytest.mark.parametrize("mode", ["none"])
 def test_greedy_other_kinds_without_speculation(target, kind, mode):
     _greedy_case(target, kind, mode, n_prompts=5, max_new=8)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_kv_cached_context_matches_feature_draft(target, kind):
+    """DSpark/DFlash keep per-slot drafter K/V rows (computed once per committed position).
+    After prefill and two rounds, the round's draft distributions equal the feature-based
+    ``draft`` run from scratch on the target's tap features of the committed sequence."""
+    model, params = target
+    drafter, dparams = _drafter(kind)
+    m = 32
+    dec = SpeculativeDecoder(
+        model, params, drafter, dparams, StepConfig(num_slots=2, max_len=m, sampling=True)
+    )
+    assert dec.kv_cache and dec.feat_dim == 1 * 2 * CFG.num_key_value_heads * CFG.head_dim
+    state = dec.init_state(seed=3)
+    prompts = np.array([PROMPT + [0] * 5, [5, 2, 8, 9, 4, 0, 0, 0]])
+    ones = np.ones(2, np.float32)
+    state, _ = dec.prefill(
+        state, np.arange(2), prompts, np.array([3, 5]), np.array([20, 20]), ones,
+        np.zeros(2, np.int32), ones,
+    )  # fmt: skip
+    for _ in range(2):
+        state, _ = dec.round(state)
+    plan = dec.plan(state)
+
+    seq_len = np.asarray(state.seq_len)
+    toks = np.asarray(state.ctx_tokens)
+    feats = np.zeros((2, m, len(dec.taps) * CFG.hidden_size), np.float32)
+    for r in range(2):
+        _, taps = model.apply(
+            {"params": params}, jnp.asarray(toks[r : r + 1, : seq_len[r]]), None, None,
+            dec.taps, method="hidden_states",
+        )  # fmt: skip
+        feats[r, : seq_len[r]] = np.asarray(dec._features(taps, None)[0])
+    _, draft_key, _ = jax.random.split(state.rng, 3)
+    ref = drafter.apply(
+        {"params": dparams}, jnp.asarray(feats), state.seq_len, state.anchor, draft_key, 1.0,
+        0, 1.0, dec._embed_fn(params), dec._lm_head_fn(params), method="draft",
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(plan.draft_probs), np.asarray(ref.probs), atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(plan.draft_tokens), np.asarray(ref.tokens))

@@ -63,7 +63,7 @@ SCHEDULER_MODES = ("none", "fixed", "threshold", "prefix", "topk")
 
 class DecodeState(NamedTuple):
     cache: KVCache
-    ctx_feats: Array  # [R, M, F]
+    ctx_feats: Array  # [R, M, F] drafter context rows: tap features, or K/V (DSpark/DFlash)
     ctx_tokens: Array  # [R, M] int32
     seq_len: Array  # [R] int32
     anchor: Array  # [R] int32
@@ -154,7 +154,7 @@ class SpeculativeDecoder:
             )
         if drafter is None:
             self.gamma, self.taps, self.kind, self.feat_dim = 1, None, "none", 1
-            self.has_confidence = False
+            self.has_confidence, self.kv_cache = False, False
         else:
             dcfg = drafter.config
             if drafter.target.vocab_size != tcfg.vocab_size or (
@@ -169,6 +169,14 @@ class SpeculativeDecoder:
             self.gamma = 1 if dcfg.kind == "mtp1" else dcfg.gamma
             self.taps = None if dcfg.kind == "mtp1" else tuple(dcfg.taps)
             self.feat_dim = tcfg.hidden_size * (1 if self.taps is None else len(self.taps))
+            # DSpark/DFlash keep each slot's drafter context as per-layer K/V rows, computed
+            # once when a position is committed; drafting then never re-projects the whole
+            # context (the other kinds keep tap features).
+            self.kv_cache = dcfg.kind in ("dspark", "dflash")
+            if self.kv_cache:
+                self.feat_dim = (
+                    dcfg.resolved_num_layers * 2 * tcfg.num_key_value_heads * tcfg.head_dim
+                )
             self.has_confidence = dcfg.kind == "dspark" and bool(getattr(dcfg, "confidence", True))
         if config.scheduler in ("threshold", "prefix", "topk") and not self.has_confidence:
             raise ValueError(
@@ -258,6 +266,14 @@ class SpeculativeDecoder:
         m = taps.shape[0]
         return jnp.moveaxis(taps, 0, -2).reshape(taps.shape[1:-1] + (m * taps.shape[-1],))
 
+    def _context_rows(self, dp, taps, hidden, positions):
+        """What the drafter context cache stores for target rows at ``positions``: tap
+        features, or (DSpark/DFlash) the draft layers' K/V of those features."""
+        feats = self._features(taps, hidden)
+        if not self.kv_cache:
+            return feats
+        return self.drafter.apply({"params": dp}, feats, positions, method="context_cache")
+
     # -- prefill ----------------------------------------------------------------------
     def prefill(self, state, slots, prompts, lengths, max_new, temperature, top_k, top_p):
         """Insert prompts ``[B, T]`` (right-padded) into ``slots [B]`` and sample token 1."""
@@ -292,9 +308,11 @@ class SpeculativeDecoder:
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         write = jnp.where(pos < lengths[:, None], pos, c.max_len)
         rows = jnp.broadcast_to(slots[:, None], (b, t))
-        feats = self._features(taps, hidden).astype(state.ctx_feats.dtype)
         if self.drafter is None:
             feats = jnp.zeros((b, t, 1), state.ctx_feats.dtype)
+        else:
+            feats = self._context_rows(params[1], taps, hidden, pos)
+            feats = feats.astype(state.ctx_feats.dtype)
         ctx_feats = state.ctx_feats.at[rows, write].set(feats, mode="drop")
         ctx_tokens = state.ctx_tokens.at[rows, write].set(prompts, mode="drop")
 
@@ -429,7 +447,7 @@ class SpeculativeDecoder:
         tp, dp = params[0], params[1]
         out = self.drafter.apply(
             {"params": dp},
-            state.ctx_feats,
+            state.ctx_feats,  # tap features, or K/V rows for DSpark/DFlash
             state.seq_len,
             state.anchor,
             key,
@@ -439,7 +457,7 @@ class SpeculativeDecoder:
             self._embed_fn(tp),
             self._lm_head_fn(tp),
             context_tokens=state.ctx_tokens,
-            method="draft",
+            method="draft_from_cache" if self.kv_cache else "draft",
         )
         if out.confidence_logits is None:
             conf = jnp.ones((r, g), jnp.float32)
@@ -527,7 +545,9 @@ class SpeculativeDecoder:
         # --- commit by lengths -----------------------------------------------------------
         committed = included & (j[None, :] <= accepted[:, None])  # anchor + accepted drafts
         write = jnp.where(committed, pos_rj, c.max_len)
-        feats = self._features(taps, hidden)[:, 0] if self.drafter is not None else None
+        feats = None
+        if self.drafter is not None:  # only the R + K packed rows are projected
+            feats = self._context_rows(params[1], taps, hidden, p_pos[:, None])[:, 0]
         ctx_feats = state.ctx_feats
         if feats is not None:
             ctx_feats = ctx_feats.at[slot_rj, write].set(

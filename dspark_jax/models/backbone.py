@@ -173,6 +173,14 @@ class DraftDecoderLayer(nn.Module):
         out, _ = self(self.attn_input(h), h, block_positions, [(kc, vc, ctx_mask)], own="block")
         return out
 
+    def block_step_cached(
+        self, h: Array, kc: Array, vc: Array, block_positions: Array, ctx_mask: Array
+    ) -> Array:
+        """``block_step`` with the context K/V given (``[N, M, KV, D]``, RoPE applied): the
+        decode step keeps them per slot instead of recomputing them from features."""
+        out, _ = self(self.attn_input(h), h, block_positions, [(kc, vc, ctx_mask)], own="block")
+        return out
+
 
 class ParallelBackbone(nn.Module):
     """DFlash/DSpark parallel block backbone over target tap features (DESIGN §3.2)."""
@@ -218,6 +226,46 @@ class ParallelBackbone(nn.Module):
         # fsdp-split ``embed`` axis propagates into the activations' last axis and pushes
         # the batch axis off the mesh (global-batch activations on every device).
         return nn.with_logical_constraint(self.hidden_norm(self.fc(feats)), ACT_AXES)
+
+    def cache_dim(self) -> int:
+        """Per-position width of the context K/V cache: ``layers · 2 · kv_heads · head_dim``."""
+        c = self.config
+        return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim
+
+    def context_cache(self, feats: Array, positions: Array) -> Array:
+        """Every layer's context keys (k-normed, RoPE at ``positions``) and values of tap
+        features ``feats [..., T, m·d]``, flattened per position: ``[..., T, cache_dim]``
+        laid out as ``[layer, k|v, kv_head, head_dim]``.
+
+        A position's K/V depend on its own features and position only, so the decode step
+        computes them once, when the position is committed, and every later draft reuses
+        them (``from_cache``) instead of re-projecting the whole context each round."""
+        h_ctx = self.context(feats)
+        parts = []
+        for layer in self.layers:
+            k, v = layer.context_kv(h_ctx, positions)
+            parts.append(jnp.stack([k, v], axis=-3))  # [..., T, 2, KV, D]
+        kv = jnp.stack(parts, axis=-4)  # [..., T, L, 2, KV, D]
+        return kv.reshape(kv.shape[:-4] + (self.cache_dim(),))
+
+    def from_cache(
+        self, block_embeds: Array, block_positions: Array, ctx_cache: Array, ctx_mask: Array
+    ) -> Array:
+        """Final-normed block states ``[N, γ, d]`` over a per-row context K/V cache
+        ``[N, M, cache_dim]`` (``context_cache``) masked by ``ctx_mask [N, M]``."""
+        c = self.config
+        n, m = ctx_cache.shape[:2]
+        if ctx_cache.shape[-1] != self.cache_dim():
+            raise ValueError(
+                f"context cache has last dim {ctx_cache.shape[-1]}, expected {self.cache_dim()}"
+            )
+        kv = ctx_cache.reshape(n, m, c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
+        h = block_embeds
+        mask = ctx_mask[:, None, :]
+        for i, layer in enumerate(self.layers):
+            h = layer.block_step_cached(h, kv[:, :, i, 0], kv[:, :, i, 1], block_positions, mask)
+            h = nn.with_logical_constraint(h, ACT_AXES)
+        return self.norm(h)
 
     def __call__(
         self,

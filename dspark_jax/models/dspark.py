@@ -245,7 +245,7 @@ class DSparkDrafter(nn.Module):
           context_tokens: unused (accepted so all drafters share one signature).
         """
         del context_tokens
-        cfg, tgt = self.config, self.target
+        cfg = self.config
         r, m = context_feats.shape[:2]
         _check(
             context_feats.ndim == 3, f"context_feats must be [R, M, m·d], got {context_feats.shape}"
@@ -268,6 +268,55 @@ class DSparkDrafter(nn.Module):
             ctx_mask,
             shared_context=False,
         )
+        return self._sample_block(h, anchor_tokens, rng, temperature, top_k, top_p, lm_head)
+
+    # -- drafting over a per-slot context K/V cache (the decode step's path) --------------
+    def cache_dim(self) -> int:
+        """Per-position width of ``context_cache``'s output."""
+        return self.backbone.cache_dim()
+
+    def context_cache(self, context_feats: Array, positions: Array) -> Array:
+        """Context K/V of every draft layer for tap features ``[..., T, m·d]`` at absolute
+        ``positions [..., T]``: ``[..., T, cache_dim]`` (see ``ParallelBackbone``)."""
+        return self.backbone.context_cache(context_feats, positions)
+
+    def draft_from_cache(
+        self,
+        ctx_cache: Array,
+        ctx_len: Array,
+        anchor_tokens: Array,
+        rng: Array,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        embed=None,
+        lm_head=None,
+        context_tokens: Array | None = None,
+    ) -> DraftOutput:
+        """``draft`` with the context given as cached K/V rows ``[R, M, cache_dim]`` (rows
+        ``0..ctx_len-1`` written by ``context_cache`` at their positions). Same outputs as
+        ``draft`` on the features those rows came from, without re-projecting the whole
+        context every round."""
+        del context_tokens
+        cfg = self.config
+        r, m = ctx_cache.shape[:2]
+        _check(ctx_cache.ndim == 3, f"ctx_cache must be [R, M, C], got {ctx_cache.shape}")
+        _check(ctx_len.shape == (r,), f"ctx_len must be [{r}], got {ctx_len.shape}")
+        _check(
+            anchor_tokens.shape == (r,), f"anchor_tokens must be [{r}], got {anchor_tokens.shape}"
+        )
+        _check(embed is not None and lm_head is not None, "draft needs embed and lm_head")
+        ctx_mask = jnp.arange(m, dtype=jnp.int32)[None, :] < ctx_len[:, None]
+        block_pos = ctx_len[:, None].astype(jnp.int32) + jnp.arange(cfg.gamma, dtype=jnp.int32)
+        h = self.backbone.from_cache(
+            self._block_embeds(anchor_tokens, embed), block_pos, ctx_cache, ctx_mask
+        )
+        return self._sample_block(h, anchor_tokens, rng, temperature, top_k, top_p, lm_head)
+
+    def _sample_block(self, h, anchor_tokens, rng, temperature, top_k, top_p, lm_head):
+        """LM head over the block's states, then the sequential head's left-to-right scan."""
+        cfg, tgt = self.config, self.target
+        r = h.shape[0]
         # The LM head runs once over all γ positions (matrix-matrix); the scan only adds the
         # head's rank-r correction per token.
         base = apply_lm_head(lm_head, h, tgt.vocab_size)  # [R, γ, V]
