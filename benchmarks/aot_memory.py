@@ -135,7 +135,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "aot_memory"))
     p.add_argument("--quick", action="store_true", help="only the 8B fsdp-64 row")
-    p.add_argument("--only", nargs="*", help="row names to run (default: all)")
+    p.add_argument(
+        "--only", nargs="*", help="row names to (re)run, keeping the other rows (default: all)"
+    )
     p.add_argument("--timeout", type=int, default=1800, help="seconds per row")
     p.add_argument("--render", action="store_true", help="only rewrite <out>.md from <out>.json")
     args = p.parse_args(argv)
@@ -149,6 +151,11 @@ def main(argv=None) -> int:
     if args.only:
         rows = [r for r in rows if r[0] in args.only]
     reports = []
+    if args.only and os.path.exists(args.out + ".json"):
+        # Re-measure the named rows and keep the others' earlier reports (table order).
+        with open(args.out + ".json") as f:
+            reports = [r for r in json.load(f) if r["name"] not in args.only]
+    order = {r[0]: i for i, r in enumerate(TRAIN_ROWS)}
     for name, config, devices, mesh, extra, _ in rows:
         print(f"[aot_memory] {name} ...", flush=True)
         r = run_row(name, config, devices, mesh, extra, args.timeout)
@@ -158,6 +165,7 @@ def main(argv=None) -> int:
             flush=True,
         )
         reports.append(r)
+        reports.sort(key=lambda x: order.get(x["name"], len(order)))
         # Written after every row: a long run can be inspected (or resumed by --only).
         with open(args.out + ".json", "w") as f:
             json.dump(reports, f, indent=2)
