@@ -65,6 +65,11 @@ def acceptance_section(
         "",
         f"Paper (Qwen3, T = 1): DSpark/DFlash {PAPER_DFLASH}, DSpark/EAGLE-3 {PAPER_EAGLE}.",
         "",
+        "Read T = 0 with care: the bundled target's greedy continuations fall into short loops "
+        "(e.g. `' #', ' '` repeated), so a greedy τ mostly says whether a drafter's argmax "
+        "happens to land on the loop (τ → γ+1) or not (τ → 1); T = 1 is the comparison that "
+        "matches the paper's.",
+        "",
         "Position-wise conditional acceptance P(accept k | accepted k−1), T = 1:",
         "",
         "| drafter | set | " + " | ".join(f"k={k}" for k in range(1, args["gamma"] + 1)) + " |",

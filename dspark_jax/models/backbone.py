@@ -235,7 +235,9 @@ class ParallelBackbone(nn.Module):
     def context_cache(self, feats: Array, positions: Array) -> Array:
         """Every layer's context keys (k-normed, RoPE at ``positions``) and values of tap
         features ``feats [..., T, m·d]``, flattened per position: ``[..., T, cache_dim]``
-        laid out as ``[layer, k|v, kv_head, head_dim]``.
+        laid out as ``[kv_head, layer, k|v, head_dim]`` (KV heads outermost, so splitting
+        the flat axis into equal parts over the ``tensor`` mesh axis splits whole heads,
+        like the target's KV cache).
 
         A position's K/V depend on its own features and position only, so the decode step
         computes them once, when the position is committed, and every later draft reuses
@@ -244,8 +246,8 @@ class ParallelBackbone(nn.Module):
         parts = []
         for layer in self.layers:
             k, v = layer.context_kv(h_ctx, positions)
-            parts.append(jnp.stack([k, v], axis=-3))  # [..., T, 2, KV, D]
-        kv = jnp.stack(parts, axis=-4)  # [..., T, L, 2, KV, D]
+            parts.append(jnp.stack([k, v], axis=-2))  # [..., T, KV, 2, D]
+        kv = jnp.stack(parts, axis=-3)  # [..., T, KV, L, 2, D]
         return kv.reshape(kv.shape[:-4] + (self.cache_dim(),))
 
     def from_cache(
@@ -259,11 +261,12 @@ class ParallelBackbone(nn.Module):
             raise ValueError(
                 f"context cache has last dim {ctx_cache.shape[-1]}, expected {self.cache_dim()}"
             )
-        kv = ctx_cache.reshape(n, m, c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
+        kv = ctx_cache.reshape(n, m, c.num_key_value_heads, c.num_hidden_layers, 2, c.head_dim)
         h = block_embeds
         mask = ctx_mask[:, None, :]
         for i, layer in enumerate(self.layers):
-            h = layer.block_step_cached(h, kv[:, :, i, 0], kv[:, :, i, 1], block_positions, mask)
+            k, v = kv[:, :, :, i, 0], kv[:, :, :, i, 1]  # [N, M, KV, D]
+            h = layer.block_step_cached(h, k, v, block_positions, mask)
             h = nn.with_logical_constraint(h, ACT_AXES)
         return self.norm(h)
 

@@ -353,8 +353,8 @@ def compile_serve_round(
     budget ``budget`` (default: all drafts, ``R·γ``), with bf16 weights and cache.
 
     Target weights follow the rules table (embed over ``fsdp``, heads/MLP/vocab over
-    ``tensor``); the KV cache and drafter context are split over slots (``data``×``fsdp``)
-    and KV heads (``tensor``).
+    ``tensor``); the KV cache and the drafter context (K/V rows for DSpark/DFlash) are split
+    over slots (``data``×``fsdp``) and KV heads (``tensor``).
     """
     from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
     from dspark_jax.models.drafters import init_drafter_params, make_drafter
@@ -384,11 +384,17 @@ def compile_serve_round(
         state = jax.eval_shape(dec.init_state)
         rep = NamedSharding(mesh, PartitionSpec())
         cache_names = ("cache_layers", "cache_slots", "cache_length", "cache_kv_heads", None)
+        heads_split = tcfg.num_key_value_heads % mesh.shape.get("tensor", 1) == 0
 
         def place(path, leaf):
             name = getattr(path[0], "name", None)
             if name == "cache":
                 s = _state_sharding(cache_names, leaf.shape, mesh)
+            elif name == "ctx_feats" and dec.kv_cache and heads_split:
+                # Drafter K/V rows, KV heads outermost in the last axis (backbone
+                # context_cache): split over whole heads like the target's KV cache.
+                names = ("cache_slots", None, "cache_kv_heads")
+                s = _state_sharding(names, leaf.shape, mesh)
             elif leaf.ndim >= 1 and name != "rng":
                 names = ("cache_slots",) + (None,) * (leaf.ndim - 1)
                 s = _state_sharding(names, leaf.shape, mesh)
