@@ -47,6 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--slots", type=int, default=8, help="decode slots (max concurrent requests)")
     p.add_argument("--max-len", type=int, default=512, help="cache positions per request")
     p.add_argument("--max-queue", type=int, default=256, help="admission queue bound (429)")
+    p.add_argument(
+        "--prefill-batch", type=int, default=4, help="requests prefilled together in one call"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default=None, help="name reported by /v1/models")
@@ -58,7 +61,11 @@ def parse_args(argv=None):
     p.add_argument("--demo", action="store_true", help="side-by-side demo, then exit")
     p.add_argument("--demo-prompts", type=int, default=4)
     p.add_argument("--demo-tokens", type=int, default=96)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, low in (("slots", 1), ("max_len", 4), ("max_queue", 1), ("prefill_batch", 1)):
+        if getattr(args, flag) < low:
+            p.error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}")
+    return args
 
 
 def _check_paths(args) -> str | None:
@@ -94,6 +101,7 @@ def build_engine(args, drafter_dir, scheduler, models=None):
         max_len=args.max_len,
         scheduler=scheduler,
         max_queue=args.max_queue,
+        prefill_batch=args.prefill_batch,
         threshold=args.threshold,
         sps_cache=args.sps_cache,
         model_name=name,

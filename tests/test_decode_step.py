@@ -462,3 +462,32 @@ def test_kv_cached_context_matches_feature_draft(target, kind):
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(plan.draft_probs), np.asarray(ref.probs), atol=2e-5)
     np.testing.assert_array_equal(np.asarray(plan.draft_tokens), np.asarray(ref.tokens))
+
+
+def test_batched_prefill_with_padding_rows_equals_one_at_a_time(target):
+    """The engine prefills several requests per call and pads the batch with rows aimed at
+    slot R (out of range): those rows must write nothing, and the real rows must leave the
+    state exactly as one-at-a-time prefills do."""
+    model, params = target
+    drafter, dparams = _drafter("dspark")
+    dec = SpeculativeDecoder(model, params, drafter, dparams, StepConfig(num_slots=3, max_len=32))
+    prompts = np.array([[4, 5, 6, 0, 0, 0], [9, 1, 2, 3, 8, 0], [0] * 6, [0] * 6], np.int32)
+    lengths = np.array([3, 5, 1, 1], np.int32)
+    zeros, ones = np.zeros(4, np.float32), np.ones(4, np.float32)
+    batched, out = dec.prefill(
+        dec.init_state(), np.array([2, 0, 3, 3]), prompts, lengths, np.array([9, 9, 1, 1]),
+        zeros, np.zeros(4, np.int32), ones,
+    )  # fmt: skip
+    single = dec.init_state()
+    firsts = []
+    for i, slot in enumerate((2, 0)):
+        single, o = dec.prefill(
+            single, np.array([slot]), prompts[i : i + 1], lengths[i : i + 1], np.array([9]),
+            zeros[:1], np.zeros(1, np.int32), ones[:1],
+        )  # fmt: skip
+        firsts.append(int(o.first_token[0]))
+    assert [int(x) for x in out.first_token[:2]] == firsts
+    for name in ("seq_len", "anchor", "remaining", "active", "ctx_tokens", "ctx_feats"):
+        np.testing.assert_array_equal(getattr(batched, name), getattr(single, name), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(batched.cache.k), np.asarray(single.cache.k))
+    assert not bool(batched.active[1]) and int(batched.seq_len[1]) == 0  # slot 1 untouched

@@ -24,3 +24,10 @@ def test_demo_prompts_fall_back_without_shared(capsys):
     prompts = serve.humaneval_prompts("/nonexistent/humaneval.jsonl", 3)
     assert prompts == serve.FALLBACK_PROMPTS[:3]
     assert "using built-in code prompts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--slots", "--max-queue", "--prefill-batch"])
+def test_non_positive_sizes_are_named(flag, capsys):
+    with pytest.raises(SystemExit):
+        serve.parse_args([flag, "0"])
+    assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err

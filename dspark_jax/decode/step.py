@@ -276,7 +276,10 @@ class SpeculativeDecoder:
 
     # -- prefill ----------------------------------------------------------------------
     def prefill(self, state, slots, prompts, lengths, max_new, temperature, top_k, top_p):
-        """Insert prompts ``[B, T]`` (right-padded) into ``slots [B]`` and sample token 1."""
+        """Insert prompts ``[B, T]`` (right-padded) into ``slots [B]`` and sample token 1.
+
+        A row whose slot is ``>= num_slots`` is computed but writes nothing (batch padding).
+        """
         args = (slots, prompts, lengths, max_new, temperature, top_k, top_p)
         return self._prefill(self._params, state, *(jnp.asarray(a) for a in args))
 
@@ -321,17 +324,23 @@ class SpeculativeDecoder:
             FINISH_EOS,
             jnp.where((max_new <= 1) | (lengths + 1 >= c.max_len), FINISH_LENGTH, FINISH_NONE),
         ).astype(jnp.int32)
+
+        # Rows aimed at slot >= num_slots (batch padding) write nothing: every scatter here
+        # and in the caches drops out-of-range indices.
+        def put(x, v):
+            return x.at[slots].set(v, mode="drop")
+
         state = state._replace(
             cache=cache,
             ctx_feats=ctx_feats,
             ctx_tokens=ctx_tokens,
-            seq_len=state.seq_len.at[slots].set(lengths),
-            anchor=state.anchor.at[slots].set(first),
-            active=state.active.at[slots].set(finish == FINISH_NONE),
-            remaining=state.remaining.at[slots].set(max_new - 1),
-            temperature=state.temperature.at[slots].set(temperature),
-            top_k=state.top_k.at[slots].set(top_k),
-            top_p=state.top_p.at[slots].set(top_p),
+            seq_len=put(state.seq_len, lengths),
+            anchor=put(state.anchor, first),
+            active=put(state.active, finish == FINISH_NONE),
+            remaining=put(state.remaining, max_new - 1),
+            temperature=put(state.temperature, temperature),
+            top_k=put(state.top_k, top_k),
+            top_p=put(state.top_p, top_p),
             rng=rng,
         )
         return state, PrefillOutput(first, finish)

@@ -1,8 +1,9 @@
 """Continuous-batching serving engine over fixed decode slots (DESIGN §5.2, §5.3, §6).
 
 One engine thread owns the ``SpeculativeDecoder`` state. Requests enter a bounded admission
-queue; the loop moves them into free slots (prefill, one request per call, prompt padded to
-a power-of-two length bucket), runs decode rounds for every occupied slot, streams the
+queue; the loop moves them into free slots (prefill: requests admitted together share
+calls of ``prefill_batch`` rows, prompts padded to a power-of-two length bucket), runs
+decode rounds for every occupied slot, streams the
 detokenised text to the request's consumer and frees the slot on EOS / stop string /
 max tokens / end of cache / cancellation.
 
@@ -17,8 +18,8 @@ owner has since finished (e.g. a stop string found in round ``n`` while ``n+1`` 
 dropped, so a request never receives tokens after its end and a reused slot never receives
 its predecessor's tokens.
 
-Compilation: every prefill length bucket and every verify bucket is compiled in
-``start()``. ``compilations_after_warmup`` is the growth of the jitted functions'
+Compilation: every (prefill rows, prompt length bucket) pair and every verify bucket is
+compiled in ``start()``. ``compilations_after_warmup`` is the growth of the jitted functions'
 ``_cache_size()`` since then; it must stay 0 (tests and ``/metrics`` check it).
 
 Seeds: the decoder has ONE random stream for all slots (``DecodeState.rng``), split once
@@ -286,10 +287,15 @@ class EngineConfig:
     sps_cache: str | None = None
     sps_repeats: int = 5
     model_name: str = "dspark"
+    # Requests admitted together are prefilled in one call of this many rows (padded with
+    # rows that write nothing); 1 prefills one request per call.
+    prefill_batch: int = 4
 
     def __post_init__(self):
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+        if self.prefill_batch < 1:
+            raise ValueError(f"prefill_batch must be >= 1, got {self.prefill_batch}")
         if self.max_len < 4:
             raise ValueError(f"max_len must be >= 4, got {self.max_len}")
         if self.max_queue < 1:
@@ -433,20 +439,35 @@ class Engine:
             return 0
         return self._cache_entries() - self._baseline
 
+    @property
+    def prefill_rows(self) -> tuple[int, ...]:
+        """Compiled prefill batch sizes: 1, and ``prefill_batch`` (capped at the slots)."""
+        return tuple(sorted({1, min(self.config.prefill_batch, self.config.num_slots)}))
+
     def _prefill(self, state, slot, ids, max_new, temperature, top_k, top_p):
-        t = self._bucket_for(len(ids))
-        padded = np.zeros((1, t), np.int32)
-        padded[0, : len(ids)] = ids
-        return self.decoder.prefill(
-            state,
-            np.array([slot], np.int32),
-            padded,
-            np.array([len(ids)], np.int32),
-            np.array([max_new], np.int32),
-            np.array([temperature], np.float32),
-            np.array([top_k], np.int32),
-            np.array([top_p], np.float32),
-        )
+        return self._prefill_many(state, [(slot, ids, max_new, temperature, top_k, top_p)])
+
+    def _prefill_many(self, state, rows):
+        """One prefill call for ``rows`` of ``(slot, ids, max_new, temperature, top_k,
+        top_p)`` (at most ``max(prefill_rows)``): prompts padded to the longest one's
+        length bucket, the batch padded to a compiled size with rows aimed at slot
+        ``num_slots``, whose cache and state writes are dropped (out-of-range scatter)."""
+        n = len(rows)
+        b = next(k for k in self.prefill_rows if k >= n)
+        t = max(self._bucket_for(len(r[1])) for r in rows)
+        r_slots = self.config.num_slots
+        slots = np.full((b,), r_slots, np.int32)
+        prompts = np.zeros((b, t), np.int32)
+        lengths = np.ones((b,), np.int32)
+        max_new = np.ones((b,), np.int32)
+        temps = np.zeros((b,), np.float32)
+        top_k = np.zeros((b,), np.int32)
+        top_p = np.ones((b,), np.float32)
+        for i, (slot, ids, mn, temp, k, p) in enumerate(rows):
+            slots[i], lengths[i], max_new[i] = slot, len(ids), mn
+            prompts[i, : len(ids)] = ids
+            temps[i], top_k[i], top_p[i] = temp, k, p
+        return self.decoder.prefill(state, slots, prompts, lengths, max_new, temps, top_k, top_p)
 
     def _fill_all_slots(self, state):
         """Prefill every slot with a short dummy prompt that keeps them active."""
@@ -497,7 +518,9 @@ class Engine:
         # Twice: fresh (uncommitted) arrays and round outputs must hit the same executables.
         for _ in range(2):
             for t in self.prompt_buckets:
-                state, _ = self._prefill(state, 0, [1] * min(t, self.max_prompt_tokens), 2, 0, 0, 1)
+                ids = [1] * min(t, self.max_prompt_tokens)
+                for b in self.prefill_rows:
+                    state, _ = self._prefill_many(state, [(s, ids, 2, 0, 0, 1) for s in range(b)])
             state = self._fill_all_slots(state)
             if self.two_phase:
                 plan = self.decoder.plan(state)
@@ -685,25 +708,26 @@ class Engine:
         for s, a in enumerate(self._slots):
             if a is not None and a.handle.cancelled:
                 self._end_on_host(s, a, "cancelled")
-        for slot, h in admitted:
-            p = h.params
+        if len(admitted) == 1:
+            p = admitted[0][1].params
             if p.seed is not None and not self._inflight and self.active_slots == 0:
                 self._state = self._state._replace(rng=jax.random.key(p.seed))
-            self._state, pre = self._prefill(
-                self._state, slot, h.prompt_ids, p.max_tokens, p.temperature, p.top_k, p.top_p
-            )
-            a = _Active(h, self.tokenizer, set(self.tokenizer.stop_ids))
-            self._slots[slot] = a
-            self.stats.prompt_tokens += len(h.prompt_ids)
-            self._inflight.append(
-                (
-                    "prefill",
-                    pre,
-                    [a if i == slot else None for i in range(len(self._slots))],
-                    0,
-                    0.0,
-                )
-            )
+        group = max(self.prefill_rows)
+        for start in range(0, len(admitted), group):
+            chunk = admitted[start : start + group]
+            rows = [
+                (slot, h.prompt_ids, h.params.max_tokens, h.params.temperature,
+                 h.params.top_k, h.params.top_p)
+                for slot, h in chunk
+            ]  # fmt: skip
+            self._state, pre = self._prefill_many(self._state, rows)
+            owners: list = [None] * len(self._slots)  # slot -> (request, batch row)
+            for i, (slot, h) in enumerate(chunk):
+                a = _Active(h, self.tokenizer, set(self.tokenizer.stop_ids))
+                self._slots[slot] = a
+                owners[slot] = (a, i)
+                self.stats.prompt_tokens += len(h.prompt_ids)
+            self._inflight.append(("prefill", pre, owners, 0, 0.0))
 
         owners = list(self._slots)
         if any(a is not None for a in owners):
@@ -732,10 +756,11 @@ class Engine:
         kind, out, owners, budget, t_dispatch = item
         out = jax.device_get(out)
         if kind == "prefill":
-            for s, a in enumerate(owners):
-                if a is None or a.done:
+            for s, entry in enumerate(owners):
+                if entry is None or entry[0].done:
                     continue
-                self._accept_tokens(s, a, [int(out.first_token[0])], int(out.finish[0]))
+                a, i = entry
+                self._accept_tokens(s, a, [int(out.first_token[i])], int(out.finish[i]))
             return
         now = time.perf_counter()
         seconds = now - max(t_dispatch, self._last_ready)
