@@ -183,6 +183,24 @@ def test_config_errors():
         init_cache(CFG, 1, CFG.max_position_embeddings + 1)
 
 
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn'"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6}}, "RoPE scaling 'linear'"),
+        ({"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window=true"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ],
+)
+def test_hf_config_features_we_lack_are_refused(extra, match):
+    """A checkpoint using RoPE scaling, sliding windows or another activation must not load
+    silently into plain Qwen3 (it would give wrong logits), while the defaults load."""
+    hf = dict(CFG.to_hf_dict(), rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    assert Qwen3Config.from_hf_dict(hf).num_hidden_layers == CFG.num_hidden_layers
+    with pytest.raises(ValueError, match=match):
+        Qwen3Config.from_hf_dict(dict(hf, **extra))
+
+
 def test_real_family_sizes():
     """Parameter counts of the presets match the published Qwen3 sizes."""
     expected_millions = {

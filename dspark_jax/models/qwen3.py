@@ -151,9 +151,29 @@ class Qwen3Config:
             )
         if hf.get("attention_bias"):
             raise ValueError("Unsupported Qwen3 variant: attention_bias=true")
+        # Features this implementation does not have must fail loudly: ignoring them would
+        # load fine and give wrong logits (at long context for RoPE scaling / windows).
+        rope_params = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling")
+        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+        rope_type = rope_type or rope_params.get("rope_type", "default")
+        if rope_type != "default":
+            raise ValueError(
+                f"Unsupported Qwen3 variant: RoPE scaling {rope_type!r} (rope_scaling / "
+                "rope_parameters); only plain RoPE is implemented"
+            )
+        if hf.get("use_sliding_window"):
+            raise ValueError(
+                "Unsupported Qwen3 variant: use_sliding_window=true (sliding-window attention "
+                "is not implemented)"
+            )
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(
+                f"Unsupported Qwen3 variant: hidden_act={hf['hidden_act']!r} (expected 'silu')"
+            )
         rope_theta = hf.get("rope_theta")
         if rope_theta is None:  # transformers >= 5 nests it under rope_parameters
-            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+            rope_theta = rope_params.get("rope_theta", 1_000_000.0)
         kw = {
             name: hf[name]
             for name in cls.field_names()
