@@ -124,3 +124,19 @@ def test_threshold_sweep_hand_example():
 def test_bad_input_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_ece_noise_floor_matches_sampling_error_and_shrinks_with_n():
+    """A perfectly calibrated predictor still shows a positive binned ECE on a finite
+    sample; the floor estimates it. One bin at c = 0.5 with n labels: E|mean(y) − 0.5| =
+    sqrt(0.25/n)·sqrt(2/π) for large n."""
+    for n in (100, 1600):
+        c = np.full(n, 0.5)
+        expected = math.sqrt(0.25 / n) * math.sqrt(2 / math.pi)
+        assert M.ece_noise_floor(c, draws=2000) == pytest.approx(expected, rel=0.1)
+    c = np.random.default_rng(0).uniform(0.05, 0.95, 4000)
+    assert M.ece_noise_floor(c[:400]) > 2 * M.ece_noise_floor(c)
+    # The calibration report carries it per position.
+    surv = np.tile([[0.9, 0.6]], (50, 1))
+    rep = M.position_calibration(surv, np.full(50, 2), np.full(50, 2))
+    assert all(r["ece_floor"] > 0 for r in rep)

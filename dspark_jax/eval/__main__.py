@@ -211,6 +211,7 @@ def cmd_calibrate(args) -> int:
                 "n": b["n"],
                 "ece_before": b["ece"],
                 "ece_after": a["ece"],
+                "ece_floor_after": a["ece_floor"],
                 "auroc_before": b["auroc"],
                 "auroc_after": a["auroc"],
                 "brier_before": b["brier"],
@@ -263,7 +264,10 @@ def cmd_calibrate(args) -> int:
         f"STS fit on {len(fit_prompts)} prompts ({fit.accepted.size} rounds); "
         f"reported on {len(held_prompts)} held-out prompts"
     )
-    print(" k      T   ECE fit before/after   ECE held-out before/after   AUROC held-out")
+    print(
+        " k      T   ECE fit before/after   ECE held-out before/after   AUROC held-out"
+        "   ECE floor held-out"
+    )
     for k in range(g):
         h = held_report[k] if held_report else None
         print(
@@ -271,6 +275,7 @@ def cmd_calibrate(args) -> int:
             f"{pct(res.ece_after[k])}        {pct(h and h['ece_before'])} / "
             f"{pct(h and h['ece_after'])}          "
             f"{'-' if not h or h['auroc_after'] is None else format(h['auroc_after'], '.3f')}"
+            f"          {pct(h and h['ece_floor_after'])}"
         )
     edge = [k + 1 for k in range(g) if res.fitted[k] and _at_grid_edge(res.temperatures[k])]
     if edge:

@@ -155,6 +155,19 @@ def _ece_fast(c: np.ndarray, y: np.ndarray, n_bins: int) -> float:
     return float(np.abs(s_pos - s_conf).sum() / c.size)
 
 
+def ece_noise_floor(conf, n_bins: int = DEFAULT_BINS, draws: int = 200, seed: int = 0) -> float:
+    """Mean ECE of a *perfectly calibrated* predictor with these confidences: labels drawn
+    ``y ~ Bernoulli(conf)``, averaged over ``draws``. Binned ECE is biased upwards on finite
+    samples (each bin's accuracy has sampling error ~ sqrt(p(1-p)/n_b)), so an ECE near
+    this floor is as calibrated as the sample can show."""
+    c = _as_1d(conf, "confidence", np.float64)
+    if not c.size:
+        return math.nan
+    rng = np.random.default_rng(seed)
+    ys = rng.random((draws, c.size)) < c[None, :]
+    return float(np.mean([_ece_fast(c, y.astype(np.float64), n_bins) for y in ys]))
+
+
 def auroc(scores, labels) -> float:
     """Area under the ROC curve via the Mann–Whitney rank statistic.
 
@@ -211,6 +224,7 @@ def position_calibration(
             {
                 "position": k + 1,
                 "ece": ece(c, y, n_bins),
+                "ece_floor": ece_noise_floor(c, n_bins),
                 "auroc": auroc(c, y),
                 "brier": brier(c, y),
                 "n": int(m.sum()),
