@@ -131,7 +131,11 @@ def calibration_section(sts, acc) -> list[str]:
         "",
         "ECE floor: the mean ECE of a perfectly calibrated predictor with the same calibrated "
         "confidences on the same number of rounds (labels drawn from Bernoulli(a_k)); binned "
-        "ECE cannot be read below it on this sample size.",
+        "ECE cannot be read below it on this sample size. STS rescales each position's "
+        "logits and keeps their ranking (AUROC is unchanged by it); when AUROC is near 0.5 "
+        "the calibrated optimum is close to a constant (the acceptance rate), which σ(z/T) "
+        "cannot express (it tends to 0.5 as T grows), so the ECE left after STS is the "
+        "confidence head's, not the fit's.",
         "",
         "Paper: raw 3–8 % → ≈ 1 % after STS. Reliability diagrams and the static-threshold "
         "sweep (Fig. 5/6 analogs) for the acceptance runs are in `benchmarks/results/figs/` "
@@ -281,10 +285,11 @@ def serving_section() -> list[str]:
     out += serving_goals(data["arms"])
     out += [
         "",
-        "On these CPUs a verify of B tokens costs several times one token (the verify "
-        "cost table above) and the drafter is a quarter of a round, so speculation loses "
-        "to plain decoding here; the goal figures (dynamic top-K vs every arm and fixed γ, "
-        "per-user vs MTP-1) need an accelerator run to be meaningful.",
+        "Each level runs at most 15 s on 2 shared CPU cores, so single cells are noisy. On "
+        "CPU a verify of B tokens costs several times one token (the verify cost table "
+        "above), a cost an accelerator does not charge at these sizes, and the drafter is a "
+        "quarter of a round; the goal figures (dynamic top-K vs every arm and fixed γ, "
+        "per-user vs MTP-1) should be re-measured on an accelerator.",
         "",
     ]
     return out
