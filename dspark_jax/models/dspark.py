@@ -66,6 +66,13 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def check_draft_args(r: int, ctx_len: Array, anchor_tokens: Array, embed, lm_head) -> None:
+    """The argument checks every drafter's draft entry point shares (R slots)."""
+    _check(ctx_len.shape == (r,), f"ctx_len must be [{r}], got {ctx_len.shape}")
+    _check(anchor_tokens.shape == (r,), f"anchor_tokens must be [{r}], got {anchor_tokens.shape}")
+    _check(embed is not None and lm_head is not None, "draft needs embed and lm_head")
+
+
 def sample_scan(step_fn, prev0, extra0, per_step, rng, gamma, temperature, top_k, top_p):
     """Left-to-right sampling inside ``lax.scan``; step k draws with ``split(rng, γ)[k]``.
 
@@ -250,11 +257,7 @@ class DSparkDrafter(nn.Module):
         _check(
             context_feats.ndim == 3, f"context_feats must be [R, M, m·d], got {context_feats.shape}"
         )
-        _check(ctx_len.shape == (r,), f"ctx_len must be [{r}], got {ctx_len.shape}")
-        _check(
-            anchor_tokens.shape == (r,), f"anchor_tokens must be [{r}], got {anchor_tokens.shape}"
-        )
-        _check(embed is not None and lm_head is not None, "draft needs embed and lm_head")
+        check_draft_args(r, ctx_len, anchor_tokens, embed, lm_head)
 
         h_ctx = self.backbone.context(context_feats)
         ctx_pos = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (r, m))
@@ -271,10 +274,6 @@ class DSparkDrafter(nn.Module):
         return self._sample_block(h, anchor_tokens, rng, temperature, top_k, top_p, lm_head)
 
     # -- drafting over a per-slot context K/V cache (the decode step's path) --------------
-    def cache_dim(self) -> int:
-        """Per-position width of ``context_cache``'s output."""
-        return self.backbone.cache_dim()
-
     def context_cache(self, context_feats: Array, positions: Array) -> Array:
         """Context K/V of every draft layer for tap features ``[..., T, m·d]`` at absolute
         ``positions [..., T]``: ``[..., T, cache_dim]`` (see ``ParallelBackbone``)."""
@@ -301,11 +300,7 @@ class DSparkDrafter(nn.Module):
         cfg = self.config
         r, m = ctx_cache.shape[:2]
         _check(ctx_cache.ndim == 3, f"ctx_cache must be [R, M, C], got {ctx_cache.shape}")
-        _check(ctx_len.shape == (r,), f"ctx_len must be [{r}], got {ctx_len.shape}")
-        _check(
-            anchor_tokens.shape == (r,), f"anchor_tokens must be [{r}], got {anchor_tokens.shape}"
-        )
-        _check(embed is not None and lm_head is not None, "draft needs embed and lm_head")
+        check_draft_args(r, ctx_len, anchor_tokens, embed, lm_head)
         ctx_mask = jnp.arange(m, dtype=jnp.int32)[None, :] < ctx_len[:, None]
         block_pos = ctx_len[:, None].astype(jnp.int32) + jnp.arange(cfg.gamma, dtype=jnp.int32)
         h = self.backbone.from_cache(

@@ -20,7 +20,12 @@ import jax.numpy as jnp
 from dspark_jax.decode.sampling import process_logits, sample
 from dspark_jax.models.backbone import DraftDecoderLayer, apply_lm_head, embed_tokens
 from dspark_jax.models.drafter_config import DrafterConfig
-from dspark_jax.models.dspark import DraftOutput, _check, draft_qwen3_config
+from dspark_jax.models.dspark import (
+    DraftOutput,
+    _check,
+    check_draft_args,
+    draft_qwen3_config,
+)
 from dspark_jax.models.eagle3 import _gather_rows, causal_mask, next_tokens, shift_left
 from dspark_jax.models.qwen3 import Projection, Qwen3Config, RMSNorm
 
@@ -104,11 +109,7 @@ class MTPDrafter(nn.Module):
             context_tokens.shape == (r, m),
             f"context_tokens must be {(r, m)}, got {context_tokens.shape}",
         )
-        _check(ctx_len.shape == (r,), f"ctx_len must be [{r}], got {ctx_len.shape}")
-        _check(
-            anchor_tokens.shape == (r,), f"anchor_tokens must be [{r}], got {anchor_tokens.shape}"
-        )
-        _check(embed is not None and lm_head is not None, "draft needs embed and lm_head")
+        check_draft_args(r, ctx_len, anchor_tokens, embed, lm_head)
         ctx_len = ctx_len.astype(jnp.int32)
         states = self._states(
             context_feats, next_tokens(context_tokens, anchor_tokens, ctx_len), embed
