@@ -106,7 +106,7 @@ def build_engine(args, drafter_dir, scheduler, models=None):
         sps_cache=args.sps_cache,
         model_name=name,
     )
-    return Engine(target, tp, tok, drafter, dp, cfg, sts_temperatures=sts).start()
+    return Engine(target, tp, tok, drafter, dp, cfg, sts=sts).start()
 
 
 def humaneval_prompts(path: str, n: int) -> list[str]:

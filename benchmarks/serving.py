@@ -6,7 +6,8 @@ top-K. For every concurrency level each client sends requests back to back (boun
 --requests-per-client and --time-limit); per request we record streamed tokens and wall
 time, and the server's per-request statistics (τ, drafts verified per round).
 
-Outputs in --out (default benchmarks/results/): serving.json and three PNGs:
+Outputs in --out (default benchmarks/results/): serving.json (serving_t1.json with
+--temperature 1) and three PNGs:
 aggregate throughput vs concurrency, per-user tokens/s vs aggregate throughput, mean
 verify budget per request vs concurrency. Absolute numbers only mean something on an
 accelerator with the bundled models; on CPU compare arms by ratio.
@@ -53,7 +54,9 @@ def load_prompts(n: int) -> list[str]:
     return out
 
 
-async def run_level(url, model, prompts, concurrency, per_client, max_tokens, time_limit):
+async def run_level(
+    url, model, prompts, concurrency, per_client, max_tokens, time_limit, temperature=0.0
+):
     deadline = time.perf_counter() + time_limit
     records = []
 
@@ -66,7 +69,7 @@ async def run_level(url, model, prompts, concurrency, per_client, max_tokens, ti
                 "model": model,
                 "prompt": prompt,
                 "max_tokens": max_tokens,
-                "temperature": 0,
+                "temperature": temperature,
                 "stream": True,
             }
             t0 = time.perf_counter()
@@ -158,6 +161,13 @@ def build_arms(args):
     return arms
 
 
+def results_stem(quick: bool, temperature: float) -> str:
+    """``serving`` (greedy), ``serving_t1`` (T = 1), ``serving_quick``...: one file set per
+    run kind, so a sampling run does not overwrite the greedy one."""
+    stem = "serving_quick" if quick else "serving"
+    return stem if temperature == 0 else f"{stem}_t{temperature:g}".replace(".", "p")
+
+
 def plot(results, out_dir):
     import matplotlib
 
@@ -169,7 +179,7 @@ def plot(results, out_dir):
         "serving_per_user.png": ("aggregate_tokens_per_second", "per_user_tokens_per_second"),
         "serving_verify_budget.png": ("concurrency", "mean_verify_budget_per_request"),
     }
-    prefix = "serving_quick_" if results["quick"] else "serving_"
+    prefix = results_stem(results["quick"], results.get("temperature", 0.0)) + "_"
     for fname, (x, y) in figs.items():
         fname = fname.replace("serving_", prefix, 1)
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -181,7 +191,8 @@ def plot(results, out_dir):
         ax.set_ylabel(y.replace("_", " "))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        ax.set_title(f"serving ({'quick, random tiny models' if results['quick'] else 'bundled'})")
+        kind = "quick, random tiny models" if results["quick"] else "bundled"
+        ax.set_title(f"serving ({kind}, T = {results.get('temperature', 0.0):g})")
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, fname), dpi=120)
         plt.close(fig)
@@ -199,6 +210,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--requests-per-client", type=int, default=None)
     p.add_argument("--time-limit", type=float, default=120.0, help="seconds per level")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of every request (0 = greedy; the drafters' confidences "
+        "and STS are trained and fitted at T = 1)",
+    )
     p.add_argument("--arms", default=None, help="comma list of schedulers/arm names to run")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     args = p.parse_args(argv)
@@ -219,7 +237,17 @@ def main(argv=None) -> int:
     from dspark_jax.serve.server import BackgroundServer, create_app
 
     prompts = load_prompts(40)
-    results = {"quick": q, "slots": args.slots, "max_tokens": max_tokens, "arms": {}}
+    if args.temperature < 0:
+        raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
+    results = {
+        "quick": q,
+        "slots": args.slots,
+        "max_tokens": max_tokens,
+        "temperature": args.temperature,
+        "time_limit": args.time_limit,
+        "requests_per_client": per_client,
+        "arms": {},
+    }
     for name, scheduler, loader in build_arms(args):
         target, tp, tok, drafter, dp, sts = loader()
         if scheduler == "none":
@@ -234,7 +262,7 @@ def main(argv=None) -> int:
             model_name="bench",
         )
         t0 = time.perf_counter()
-        engine = Engine(target, tp, tok, drafter, dp, cfg, sts_temperatures=sts).start()
+        engine = Engine(target, tp, tok, drafter, dp, cfg, sts=sts).start()
         warm = time.perf_counter() - t0
         # Prompts that fit the cache with room for the output.
         fit = [x for x in prompts if len(tok.encode(x)) <= args.max_len - max_tokens - 2]
@@ -244,7 +272,16 @@ def main(argv=None) -> int:
         try:
             for c in levels:
                 row = asyncio.run(
-                    run_level(server.url, "bench", fit, c, per_client, max_tokens, args.time_limit)
+                    run_level(
+                        server.url,
+                        "bench",
+                        fit,
+                        c,
+                        per_client,
+                        max_tokens,
+                        args.time_limit,
+                        args.temperature,
+                    )  # fmt: skip
                 )
                 rows.append(row)
                 print(
@@ -260,7 +297,7 @@ def main(argv=None) -> int:
         results.setdefault("compilations_after_warmup", {})[name] = engine.compilations_after_warmup
         results.setdefault("warmup_seconds", {})[name] = warm
     os.makedirs(args.out, exist_ok=True)
-    fname = "serving_quick.json" if q else "serving.json"
+    fname = f"{results_stem(q, args.temperature)}.json"
     with open(os.path.join(args.out, fname), "w") as f:
         json.dump(results, f, indent=1)
     plot(results, args.out)

@@ -88,11 +88,34 @@ def acceptance_section(
     return out
 
 
-def calibration_section(sts, acc) -> list[str]:
+def _temperature_only_heldout(sts_dir: pathlib.Path, bins: int) -> list[float] | None:
+    """Held-out per-position ECE of DESIGN's temperature-only STS, refitted from the rounds
+    an affine calibration saved (``sts_data.npz``): the two modes on identical data."""
+    path = sts_dir / "sts_data.npz"
+    if not path.is_file():
+        return None
+    import numpy as np
+
+    from dspark_jax.eval import calibration as cal
+
+    d = np.load(path)
+    if "heldout_logits" not in d.files:
+        return None
+    res = cal.fit_sts(d["fit_logits"], d["fit_accepted"], d["fit_verified"], n_bins=bins)
+    g = d["fit_logits"].shape[1]
+    rep = cal.calibration_report(
+        d["heldout_logits"], d["heldout_accepted"], d["heldout_verified"],
+        res.temperatures[:g], bins,
+    )  # fmt: skip
+    return [r["ece"] for r in rep]
+
+
+def calibration_section(sts, acc, sts_dir=ROOT / "assets" / "drafters" / "dspark") -> list[str]:
     out = ["## Calibration (STS)", ""]
     if sts is None:
         return out + ["No `sts.json` for the DSpark drafter yet.", ""]
     data = sts.get("data", {})
+    mode = sts.get("mode", "temperature")
     # The command, rebuilt from what calibrate recorded in sts.json.
     files = data.get("prompt_files", [])
     n_prompts = len(data.get("fit_prompts", [])) + len(data.get("heldout_prompts", []))
@@ -103,39 +126,75 @@ def calibration_section(sts, acc) -> list[str]:
         + f" --limit {n_prompts // max(len(files), 1)} --split-fraction "
         f"{data.get('split_fraction')} --temperature {data.get('temperature')} "
         f"--max-new-tokens {data.get('max_new_tokens')} --slots {data.get('slots')}"
+        + (f" --mode {mode}" if mode != "temperature" else "")
     )
     fit_r, held_r = data.get("fit_rounds"), data.get("heldout_rounds")
+    temp_only = (
+        _temperature_only_heldout(sts_dir, data.get("bins", 20)) if mode == "affine" else None
+    )
+    fitted = "temperatures and biases" if mode == "affine" else "temperatures"
     out += [
-        "Per-position temperatures fitted left to right on the first half of the prompts, "
+        f"Per-position {fitted} fitted left to right on the first half of the prompts, "
         "ECE (20 bins) of the cumulative product against 'first k accepted' reported on the "
-        f"held-out half ({fit_r} / {held_r} rounds; `assets/drafters/dspark/sts.json`):",
+        f"held-out half ({fit_r} / {held_r} rounds; `assets/drafters/dspark/sts.json`, "
+        f"mode `{mode}`):",
         "",
         f"    {cmd}",
         "",
-        "| k | T_k | ECE before | ECE after | ECE floor | AUROC |",
-        "|---|---|---|---|---|---|",
     ]
+    if temp_only:
+        out += [
+            "| k | T_k | b_k | ECE before | ECE after, temperature only | ECE after, affine "
+            "| ECE floor | AUROC |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+    else:
+        out += [
+            "| k | T_k | ECE before | ECE after | ECE floor | AUROC |",
+            "|---|---|---|---|---|---|",
+        ]
     before, after, floor = [], [], []
+    biases = sts.get("biases") or [0.0] * len(sts["temperatures"])
     for k, m in enumerate(sts["heldout_metrics"]):
         before.append(m["ece_before"])
         after.append(m["ece_after"])
         floor.append(m.get("ece_floor_after", float("nan")))
+        t_col = f"{sts['temperatures'][k]:.3f} | "
+        mid = f"{100 * m['ece_after']:.2f} % | "
+        if temp_only:
+            t_col += f"{biases[k]:+.3f} | "
+            mid = f"{100 * temp_only[k]:.2f} % | " + mid
         out.append(
-            f"| {k + 1} | {sts['temperatures'][k]:.3f} | {100 * m['ece_before']:.2f} % | "
-            f"{100 * m['ece_after']:.2f} % | {100 * floor[-1]:.2f} % | "
-            f"{m.get('auroc_after', float('nan')):.3f} |"
+            f"| {k + 1} | {t_col}{100 * m['ece_before']:.2f} % | {mid}"
+            f"{100 * floor[-1]:.2f} % | {m.get('auroc_after', float('nan')):.3f} |"
         )
     mean = lambda xs: 100 * sum(xs) / len(xs)  # noqa: E731
+    mean_row = f"| mean | | {mean(before):.2f} % | {mean(after):.2f} % | {mean(floor):.2f} % | |"
+    if temp_only:
+        mean_row = (
+            f"| mean | | | {mean(before):.2f} % | {mean(temp_only):.2f} % | {mean(after):.2f} % "
+            f"| {mean(floor):.2f} % | |"
+        )
     out += [
-        f"| mean | | {mean(before):.2f} % | {mean(after):.2f} % | {mean(floor):.2f} % | |",
+        mean_row,
         "",
         "ECE floor: the mean ECE of a perfectly calibrated predictor with the same calibrated "
         "confidences on the same number of rounds (labels drawn from Bernoulli(a_k)); binned "
-        "ECE cannot be read below it on this sample size. STS rescales each position's "
-        "logits and keeps their ranking (AUROC is unchanged by it); when AUROC is near 0.5 "
-        "the calibrated optimum is close to a constant (the acceptance rate), which σ(z/T) "
-        "cannot express (it tends to 0.5 as T grows), so the ECE left after STS is the "
-        "confidence head's, not the fit's.",
+        "ECE cannot be read below it on this sample size. Both modes keep each position's "
+        "ranking (AUROC is unchanged). When AUROC is near 0.5 the calibrated optimum is close "
+        "to a constant (the acceptance rate), which σ(z/T) cannot express (it tends to 0.5 as "
+        "T grows); and the product of per-position confidences runs above the observed "
+        "survival, because c_k is as high after an earlier rejection as after an acceptance. "
+        "A per-position bias b_k (`--mode affine`, an extension of DESIGN's "
+        "temperature-only STS) removes both.",
+    ]
+    if temp_only:
+        out += [
+            "",
+            "The temperature-only column is DESIGN's STS refitted on the same fit-half rounds "
+            "(`sts_data.npz`) and scored on the same held-out half.",
+        ]
+    out += [
         "",
         "Paper: raw 3–8 % → ≈ 1 % after STS. Reliability diagrams and the static-threshold "
         "sweep (Fig. 5/6 analogs) for the acceptance runs are in `benchmarks/results/figs/` "
@@ -249,25 +308,37 @@ def serving_goals(arms: dict) -> list[str]:
     return out
 
 
-def serving_section() -> list[str]:
-    for name in ("serving.json", "serving_quick.json"):
-        data = _load(RESULTS / name)
-        if data is not None:
-            break
-    else:
-        return []
+def _serving_command(data: dict) -> str:
+    """The benchmark command that reproduces a serving JSON (from the settings it records)."""
+    levels = ",".join(str(r["concurrency"]) for r in next(iter(data["arms"].values())))
+    cmd = "    python benchmarks/serving.py"
+    if data.get("quick"):
+        return cmd + " --quick"
+    cmd += (
+        " --target assets/target --drafter assets/drafters/dspark --mtp-drafter "
+        f"assets/drafters/mtp1 --concurrency {levels} --time-limit "
+        f"{data.get('time_limit', 15):g} --max-tokens {data['max_tokens']} --slots "
+        f"{data['slots']} --requests-per-client {data.get('requests_per_client', 4)}"
+    )
+    if data.get("temperature", 0.0):
+        cmd += f" --temperature {data['temperature']:g}"
+    return cmd
+
+
+def _serving_table(name: str, data: dict) -> list[str]:
     quick = data.get("quick", False)
+    temp = data.get("temperature", 0.0)
+    sampling = "greedy requests" if temp == 0 else f"requests sampled at T = {temp:g}"
+    limit = data.get("time_limit", 15)
     out = [
-        "## Serving under load (Figs. 7–8 analog)",
+        f"### {'Greedy' if temp == 0 else f'T = {temp:g}'}" + (" (quick)" if quick else ""),
         "",
         f"`benchmarks/results/{name}`"
         + (" (quick mode: tiny random models, a smoke test of the harness)" if quick else "")
         + f"; {data.get('slots')} slots, {data.get('max_tokens')} tokens per request, "
-        "real HTTP server on loopback, greedy requests.",
+        f"real HTTP server on loopback, {sampling}, at most {limit:g} s per level.",
         "",
-        "    python benchmarks/serving.py --target assets/target --drafter assets/drafters/dspark "
-        "--mtp-drafter assets/drafters/mtp1 --concurrency 1,2,4,8,16,32,64 --time-limit 15 "
-        "--max-tokens 48 --slots 16 --requests-per-client 4",
+        _serving_command(data),
         "",
         "| arm | concurrency | aggregate tok/s | per-user tok/s | τ | verify budget / round |",
         "|---|---|---|---|---|---|",
@@ -283,13 +354,29 @@ def serving_section() -> list[str]:
     if comp is not None:
         out += ["", f"Compilations after warm-up per arm: {comp}."]
     out += serving_goals(data["arms"])
+    out.append("")
+    return out
+
+
+def serving_section() -> list[str]:
+    runs = [(n, _load(RESULTS / n)) for n in ("serving.json", "serving_t1.json")]
+    runs = [(n, d) for n, d in runs if d is not None]
+    if not runs:
+        quick = _load(RESULTS / "serving_quick.json")
+        runs = [("serving_quick.json", quick)] if quick is not None else []
+    if not runs:
+        return []
+    out = ["## Serving under load (Figs. 7–8 analog)", ""]
+    for name, data in runs:
+        out += _serving_table(name, data)
     out += [
-        "",
-        "Each level runs at most 15 s on 2 shared CPU cores, so single cells are noisy. On "
-        "CPU a verify of B tokens costs several times one token (the verify cost table "
-        "above), a cost an accelerator does not charge at these sizes, and the drafter is a "
-        "quarter of a round; the goal figures (dynamic top-K vs every arm and fixed γ, "
-        "per-user vs MTP-1) should be re-measured on an accelerator.",
+        "Single cells are noisy (2 shared CPU cores). On CPU a verify of B tokens costs "
+        "several times one token (the verify cost table above), a cost an accelerator does "
+        "not charge at these sizes, and the drafter is a quarter of a round; the goal "
+        "figures (dynamic top-K vs every arm and fixed γ, per-user vs MTP-1) should be "
+        "re-measured on an accelerator. Greedy verification accepts a draft only when it is "
+        "the target's argmax, while the confidence head and STS are trained and fitted for "
+        "T = 1 acceptance, so the scheduler's inputs are calibrated in the T = 1 run.",
         "",
     ]
     return out

@@ -99,9 +99,10 @@ def test_save_and_load_sts(tmp_path):
         tmp_path, res, data={"prompts": "synthetic"}, arrays={"logits": z, "accepted": acc}
     )
     assert path == tmp_path / "sts.json"
-    temps = cal.load_sts(tmp_path, GAMMA)
+    temps, biases = cal.load_sts(tmp_path, GAMMA)
     np.testing.assert_allclose(temps, res.temperatures, rtol=1e-6)
     assert temps.dtype == np.float32
+    np.testing.assert_array_equal(biases, np.zeros(GAMMA))  # temperature mode: no shift
     payload = json.loads(path.read_text())
     assert payload["fit"]["num_samples"] == res.num_samples
     assert payload["data"]["arrays_file"] == "sts_data.npz"
@@ -116,12 +117,80 @@ def test_save_and_load_sts(tmp_path):
         ("{not json", "not valid JSON"),
         ('{"x": 1}', "temperatures"),
         ('{"temperatures": [1.0, -2.0, 1.0, 1.0]}', "> 0"),
+        ('{"temperatures": [1.0, 1.0], "biases": [0.0]}', "need 2 STS biases"),
+        ('{"temperatures": [1.0], "biases": 0.5}', "'biases' must be a list"),
+        ('{"temperatures": [1.0], "biases": [NaN]}', "finite"),
     ],
 )
 def test_load_sts_bad_files(tmp_path, content, match):
     (tmp_path / "sts.json").write_text(content)
     with pytest.raises(ValueError, match=match):
         cal.load_sts(tmp_path)
+
+
+def _uninformative(n, rate, seed):
+    """Every draft is accepted with probability ``rate`` whatever the head says; the head's
+    logits are noise around 0 (AUROC 0.5): the calibrated answer is the constant ``rate``."""
+    rng = np.random.default_rng(seed)
+    ok = rng.random((n, GAMMA)) < rate
+    accepted = np.where(ok.all(1), GAMMA, np.argmin(ok, axis=1))
+    return rng.normal(0.0, 1.0, (n, GAMMA)), accepted
+
+
+def test_affine_sts_calibrates_what_a_temperature_cannot():
+    """A weakly ranked head with acceptance far from ½: σ(z / T) can only flatten toward ½,
+    while σ(z / T + b) reaches the acceptance rate (the bundled drafter's situation)."""
+    z, acc = _uninformative(8000, 0.8, seed=5)
+    z2, acc2 = _uninformative(8000, 0.8, seed=6)
+    temp = cal.fit_sts(z, acc)
+    aff = cal.fit_sts(z, acc, mode="affine")
+    assert aff.mode == "affine" and temp.mode == "temperature"
+    assert temp.biases == [0.0] * GAMMA
+    held_temp = _ece_per_position(z2, acc2, temp.temperatures)
+    held_aff = np.array(
+        [
+            p["ece"]
+            for p in cal.calibration_report(z2, acc2, None, aff.temperatures, biases=aff.biases)
+        ]
+    )
+    assert held_temp.mean() > 0.1, held_temp
+    assert held_aff.max() < 0.02, held_aff
+    # Position 1: b ≈ logit(0.8) once T has flattened the noise.
+    assert aff.temperatures[0] > 3 and aff.biases[0] == pytest.approx(np.log(4), abs=0.25)
+    # Still strictly increasing per position: the ranking of c_k is unchanged.
+    c_raw = cal.apply_sts(z2, np.ones(GAMMA))
+    c_aff = cal.apply_sts(z2, aff.temperatures, aff.biases)
+    for k in range(GAMMA):
+        np.testing.assert_array_equal(
+            np.argsort(c_raw[:, k], kind="stable"), np.argsort(c_aff[:, k], kind="stable")
+        )
+
+
+def test_affine_sts_on_pure_overconfidence_stays_a_temperature():
+    z, acc = _synthetic(6000, sharpen=3.0, seed=0)
+    aff = cal.fit_sts(z, acc, mode="affine")
+    assert np.all(np.abs(aff.biases) < 0.35), aff.biases
+    # The last position's survival is small and flat in T, so only the first three pin T.
+    t = np.array(aff.temperatures[:3])
+    assert np.all((t > 1.8) & (t < 4.5)), aff.temperatures
+    assert np.all(np.array(aff.ece_after) <= np.array(cal.fit_sts(z, acc).ece_after) + 2e-3)
+
+
+def test_affine_sts_round_trip(tmp_path):
+    z, acc = _uninformative(2000, 0.7, seed=7)
+    res = cal.fit_sts(z, acc, mode="affine")
+    cal.save_sts(tmp_path, res)
+    payload = json.loads((tmp_path / "sts.json").read_text())
+    assert payload["mode"] == "affine" and len(payload["biases"]) == GAMMA
+    sts = cal.load_sts(tmp_path, GAMMA)
+    np.testing.assert_allclose(sts.biases, res.biases, rtol=1e-6)
+    np.testing.assert_allclose(
+        cal.survival_from_logits(z, *sts),
+        np.cumprod(1 / (1 + np.exp(-(z / sts.temperatures + sts.biases))), axis=1),
+        rtol=1e-6,
+    )
+    padded = res.padded(GAMMA + 2)
+    assert padded.biases[-2:] == [0.0, 0.0] and padded.temperatures[-2:] == [1.0, 1.0]
 
 
 def test_fit_sts_bad_input():
@@ -133,3 +202,5 @@ def test_fit_sts_bad_input():
         cal.fit_sts(np.zeros((2, 3)), [0, 1, 2])
     with pytest.raises(ValueError, match="temperatures"):
         cal.apply_sts(np.zeros((2, 3)), [1.0, 1.0])
+    with pytest.raises(ValueError, match="unknown STS mode 'platt'"):
+        cal.fit_sts(np.zeros((2, 3)), [0, 1], mode="platt")

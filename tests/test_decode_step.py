@@ -423,6 +423,36 @@ def test_greedy_other_kinds_without_speculation(target, kind, mode):
     _greedy_case(target, kind, mode, n_prompts=5, max_new=8)
 
 
+def test_sts_calibration_applied_to_confidences(target):
+    """``sts_temperatures``/``sts_biases`` turn the head's logits into σ(z / T + b), and the
+    survival the scheduler sees is their running product."""
+    model, params = target
+    drafter, dparams = _drafter("dspark")
+    g = drafter.config.gamma
+    temps = np.array([0.5, 2.0, 1.0, 3.0], np.float32)[:g]
+    biases = np.array([0.3, -0.7, 1.2, 0.0], np.float32)[:g]
+    cfg = StepConfig(num_slots=2, max_len=32)
+    raw = SpeculativeDecoder(model, params, drafter, dparams, cfg)
+    cal = SpeculativeDecoder(
+        model, params, drafter, dparams, cfg, sts_temperatures=temps, sts_biases=biases
+    )
+    state = raw.init_state(seed=0)
+    prompts = np.array([PROMPT + [0] * 5, [5, 2, 8, 9, 4, 0, 0, 0]])
+    ones = np.ones(2, np.float32)
+    state, _ = raw.prefill(
+        state, np.arange(2), prompts, np.array([3, 5]), np.array([20, 20]), ones,
+        np.zeros(2, np.int32), ones,
+    )  # fmt: skip
+    c_raw = np.asarray(raw.plan(state).confidence, np.float64)
+    plan = cal.plan(state)
+    z = np.log(c_raw) - np.log1p(-c_raw)
+    want = 1 / (1 + np.exp(-(z / temps + biases)))
+    np.testing.assert_allclose(np.asarray(plan.confidence), want, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(plan.survival), np.cumprod(want, axis=1), atol=1e-5)
+    with pytest.raises(ValueError, match="STS biases must have shape"):
+        SpeculativeDecoder(model, params, drafter, dparams, cfg, sts_biases=np.zeros(g + 1))
+
+
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
 def test_kv_cached_context_matches_feature_draft(target, kind):
     """DSpark/DFlash keep per-slot drafter K/V rows (computed once per committed position).

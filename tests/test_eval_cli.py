@@ -199,7 +199,7 @@ def test_cli_calibrate_writes_sts(cli_run):
     assert sts["data"]["fit_prompts"] == ["gsm8k[0]", "gsm8k[1]"]
     assert sts["data"]["heldout_prompts"] == ["gsm8k[2]", "gsm8k[3]"]
     assert len(sts["heldout_metrics"]) == GAMMA
-    np.testing.assert_allclose(cal.load_sts(ddir), sts["temperatures"], rtol=1e-6)
+    np.testing.assert_allclose(cal.load_sts(ddir).temperatures, sts["temperatures"], rtol=1e-6)
     # Refit from the saved arrays: same temperatures; position 1 ECE cannot get worse
     # (T = 1 is on the grid).
     data = np.load(ddir / "sts_data.npz")
@@ -246,9 +246,10 @@ def test_cli_acceptance_results(cli_run):
     assert 0 < labels[observed].mean() < 1
     assert sum(calib["raw"]["reliability"]["count"]) == observed.sum()
     assert [p["n"] for p in calib["raw"]["per_position"]] == observed.sum(0).tolist()
-    temps = cal.load_sts(cli_run["dspark"])
+    temps, biases = cal.load_sts(cli_run["dspark"])
     np.testing.assert_allclose(calib["sts"]["temperatures"], temps, rtol=1e-6)
-    a_sts = cal.survival_from_logits(z, temps)
+    np.testing.assert_allclose(calib["sts"]["biases"], biases, rtol=1e-6)
+    a_sts = cal.survival_from_logits(z, temps, biases)
     m = observed[:, 1]
     assert calib["sts"]["per_position"][1]["ece"] == pytest.approx(
         M.ece(a_sts[m, 1], labels[m, 1]), abs=1e-6

@@ -128,7 +128,8 @@ class SpeculativeDecoder:
     """Jitted prefill and decode rounds for a target + drafter pair.
 
     ``drafter`` may be ``None`` (plain decoding through the same machinery: every round
-    verifies only the anchor). ``sts_temperatures`` (``[G]``) rescale confidence logits.
+    verifies only the anchor). ``sts_temperatures`` and ``sts_biases`` (``[G]`` each, from
+    ``eval.calibration.load_sts``) calibrate confidences as ``σ(z / T + b)``.
     """
 
     def __init__(
@@ -140,6 +141,7 @@ class SpeculativeDecoder:
         config: StepConfig,
         sps_table: Array | None = None,
         sts_temperatures=None,
+        sts_biases=None,
     ):
         self.target = target
         self.target_params = target_params
@@ -190,6 +192,10 @@ class SpeculativeDecoder:
         self.sts_temperatures = jnp.asarray(temps, jnp.float32)
         if self.sts_temperatures.shape != (g,):
             raise ValueError(f"STS temperatures must have shape [{g}], got {temps!r}")
+        biases = jnp.zeros((g,), jnp.float32) if sts_biases is None else sts_biases
+        self.sts_biases = jnp.asarray(biases, jnp.float32)
+        if self.sts_biases.shape != (g,):
+            raise ValueError(f"STS biases must have shape [{g}], got {biases!r}")
         # Parameters (and the SPS table) are passed as arguments, not closed over, so they
         # are not baked into the executables as constants and a re-profiled table needs no
         # recompilation; the state is donated so caches update in place.
@@ -471,7 +477,8 @@ class SpeculativeDecoder:
         if out.confidence_logits is None:
             conf = jnp.ones((r, g), jnp.float32)
         else:
-            conf = jax.nn.sigmoid(out.confidence_logits.astype(jnp.float32) / self.sts_temperatures)
+            z = out.confidence_logits.astype(jnp.float32)
+            conf = jax.nn.sigmoid(z / self.sts_temperatures + self.sts_biases)
         return out.tokens.astype(jnp.int32), out.probs, conf, out
 
     def _schedule(self, survival, active, budget, sps_table):

@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="first fraction of each prompt file fits, the rest reports",
     )
     c.add_argument("--bins", type=int, default=20, help="ECE bins (DESIGN §5.3: 20)")
+    c.add_argument(
+        "--mode",
+        choices=("temperature", "affine"),
+        default="temperature",
+        help="temperature: c = σ(z/T) per position (DESIGN §5.3); affine: σ(z/T + b), for "
+        "heads whose confidences are too weakly ranked for a temperature alone",
+    )
 
     p = sub.add_parser("plot", help="PNG diagrams from an acceptance results.json")
     p.add_argument("--results", required=True)
@@ -188,23 +195,18 @@ def cmd_calibrate(args) -> int:
     n_fit = len(fit_prompts)
     fit = rec.subset(range(n_fit))
     held = rec.subset(range(n_fit, len(prompts))) if held_prompts else None
-    res = cal.fit_sts(fit.logits, fit.accepted, fit.verified, n_bins=args.bins)
-    # Positions beyond --gamma were never verified: they keep T = 1.
-    pad = spec.draft_len - g
-    res = cal.STSResult(
-        res.temperatures + [1.0] * pad,
-        res.fitted + [False] * pad,
-        res.ece_before + [math.nan] * pad,
-        res.ece_after + [math.nan] * pad,
-        res.num_samples + [0] * pad,
-    )
-    temps = np.asarray(res.temperatures[:g])
+    res = cal.fit_sts(fit.logits, fit.accepted, fit.verified, n_bins=args.bins, mode=args.mode)
+    # Positions beyond --gamma were never verified: they keep T = 1, b = 0.
+    res = res.padded(spec.draft_len)
+    sts = cal.STS(*(np.asarray(x)[:g] for x in res.sts))
 
     def report(r):
         if r is None or r.accepted.size == 0:
             return None
         before = cal.calibration_report(r.logits, r.accepted, r.verified, None, args.bins)
-        after = cal.calibration_report(r.logits, r.accepted, r.verified, temps, args.bins)
+        after = cal.calibration_report(
+            r.logits, r.accepted, r.verified, sts.temperatures, args.bins, sts.biases
+        )
         return [
             {
                 "position": b["position"],
@@ -238,6 +240,7 @@ def cmd_calibrate(args) -> int:
         "slots": args.slots,
         "seed": args.seed,
         "bins": args.bins,
+        "mode": args.mode,
         "scheduler": "fixed",
     }
     arrays = {
@@ -265,23 +268,25 @@ def cmd_calibrate(args) -> int:
         f"reported on {len(held_prompts)} held-out prompts"
     )
     print(
-        " k      T   ECE fit before/after   ECE held-out before/after   AUROC held-out"
+        " k      T       b   ECE fit before/after   ECE held-out before/after   AUROC held-out"
         "   ECE floor held-out"
     )
     for k in range(g):
         h = held_report[k] if held_report else None
         print(
-            f"{k + 1:2d} {res.temperatures[k]:6.3f}   {pct(res.ece_before[k])} / "
+            f"{k + 1:2d} {res.temperatures[k]:6.3f} {res.biases[k]:+7.3f}   "
+            f"{pct(res.ece_before[k])} / "
             f"{pct(res.ece_after[k])}        {pct(h and h['ece_before'])} / "
             f"{pct(h and h['ece_after'])}          "
             f"{'-' if not h or h['auroc_after'] is None else format(h['auroc_after'], '.3f')}"
             f"          {pct(h and h['ece_floor_after'])}"
         )
     edge = [k + 1 for k in range(g) if res.fitted[k] and _at_grid_edge(res.temperatures[k])]
-    if edge:
+    if edge and args.mode == "temperature":
         print(
             f"note: T at the edge of the search grid for position(s) {edge}: temperature "
-            "alone cannot calibrate these (e.g. logits near 0 with acceptance far from 1/2)"
+            "alone cannot calibrate these (e.g. logits near 0 with acceptance far from 1/2); "
+            "try --mode affine"
         )
     print(f"wrote {path}")
     return 0

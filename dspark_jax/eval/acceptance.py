@@ -57,7 +57,7 @@ class DrafterSpec:
     module: Any
     params: Any
     path: str | None = None
-    sts_temperatures: np.ndarray | None = None  # from sts.json, applied offline
+    sts: cal.STS | None = None  # from sts.json, applied offline
 
     @property
     def config(self):
@@ -87,14 +87,14 @@ def load_target(target_dir: str | os.PathLike, dtype=None) -> TargetBundle:
 def load_drafter_spec(
     drafter_dir: str | os.PathLike, target_config: Qwen3Config, label: str | None = None
 ) -> DrafterSpec:
-    """A saved drafter plus its ``sts.json`` temperatures (if present)."""
+    """A saved drafter plus its ``sts.json`` calibration (if present)."""
     path = os.fspath(drafter_dir)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"drafter directory {path} does not exist")
     module, params = load_drafter(path, target_config)
     spec = DrafterSpec(label or Path(path).name, module, params, path)
     if spec.has_confidence:
-        spec.sts_temperatures = cal.load_sts(path, spec.draft_len)
+        spec.sts = cal.load_sts(path, spec.draft_len)
     return spec
 
 
@@ -226,13 +226,20 @@ def collect_rounds(
 
 
 def calibration_summary(
-    logits: np.ndarray, accepted, verified, temperatures=None, n_bins: int = metrics.DEFAULT_BINS
+    logits: np.ndarray,
+    accepted,
+    verified,
+    sts: cal.STS | None = None,
+    n_bins: int = metrics.DEFAULT_BINS,
 ) -> dict[str, Any]:
-    """Per-position ECE/AUROC/Brier, pooled ECE and reliability bins for one temperature set."""
-    a = cal.survival_from_logits(logits, temperatures)
+    """Per-position ECE/AUROC/Brier, pooled ECE and reliability bins for one calibration
+    (``sts`` None: raw confidences)."""
+    temps, biases = (None, None) if sts is None else sts
+    a = cal.survival_from_logits(logits, temps, biases)
     conf, labels = metrics.pooled_scores(a, accepted, verified)
     return {
-        "temperatures": None if temperatures is None else np.asarray(temperatures).tolist(),
+        "temperatures": None if temps is None else np.asarray(temps).tolist(),
+        "biases": None if biases is None else np.asarray(biases).tolist(),
         "per_position": metrics.position_calibration(a, accepted, verified, n_bins),
         "pooled_ece": metrics.ece(conf, labels, n_bins),
         "pooled_auroc": metrics.auroc(conf, labels),
@@ -250,7 +257,7 @@ def _position_masks(accepted, verified, gamma):
     return [(observed[:, k], labels[observed[:, k], k]) for k in range(gamma)]
 
 
-def summarize(records: RoundRecords, sts_temperatures=None) -> dict[str, Any]:
+def summarize(records: RoundRecords, sts: cal.STS | None = None) -> dict[str, Any]:
     """τ, rounds, conditional acceptance and (with confidences) calibration of one run."""
     r = records
     tau_rounds = metrics.tau_per_round(r.accepted)
@@ -274,11 +281,13 @@ def summarize(records: RoundRecords, sts_temperatures=None) -> dict[str, Any]:
         "calibration": None,
     }
     if r.logits is not None and r.accepted.size:
-        temps_full = None if sts_temperatures is None else np.asarray(sts_temperatures)
         calib = {"raw": calibration_summary(r.logits, r.accepted, r.verified)}
-        if temps_full is not None:
+        if sts is not None:
             calib["sts"] = calibration_summary(
-                r.logits, r.accepted, r.verified, temps_full[: r.gamma]
+                r.logits,
+                r.accepted,
+                r.verified,
+                cal.STS(*(np.asarray(x)[: r.gamma] for x in sts)),
             )
         out["calibration"] = calib
     return out
@@ -347,8 +356,8 @@ def evaluate(
                     "prompt_set": name,
                     "num_prompts": len(ids),
                     "temperature": float(temp),
-                    "sts_applied_offline": d.sts_temperatures is not None,
-                    **summarize(rec, d.sts_temperatures),
+                    "sts_applied_offline": d.sts is not None,
+                    **summarize(rec, d.sts),
                 }
                 key = f"{len(entries)}"
                 arrays[f"{key}/prompt_index"] = rec.prompt_index
@@ -391,9 +400,8 @@ def run_metadata(target: TargetBundle, drafters: Sequence[DrafterSpec], args: di
                 "label": d.label,
                 "path": d.path,
                 "config": d.config.to_dict(),
-                "sts_temperatures": None
-                if d.sts_temperatures is None
-                else np.asarray(d.sts_temperatures).tolist(),
+                "sts_temperatures": None if d.sts is None else d.sts.temperatures.tolist(),
+                "sts_biases": None if d.sts is None else d.sts.biases.tolist(),
             }
             for d in drafters
         ],

@@ -338,7 +338,7 @@ class Engine:
         drafter=None,
         drafter_params=None,
         config: EngineConfig | None = None,
-        sts_temperatures=None,
+        sts=None,
         listener=None,
     ):
         self.config = cfg = config or EngineConfig()
@@ -367,7 +367,8 @@ class Engine:
             drafter,
             drafter_params,
             StepConfig(scheduler=scheduler, **step_cfg),
-            sts_temperatures=sts_temperatures,
+            sts_temperatures=None if sts is None else sts.temperatures,
+            sts_biases=None if sts is None else sts.biases,
         )
         self.gamma = self.decoder.gamma
         r, g = cfg.num_slots, self.gamma
@@ -891,39 +892,14 @@ def _holdback(text: str, stops: Sequence[str]) -> int:
 # ------------------------------------------------------------------------------------------
 # model loading
 # ------------------------------------------------------------------------------------------
-STS_FILENAME = "sts.json"  # STS temperatures saved next to a drafter (DESIGN §5.3)
-
-
-def load_sts_temperatures(drafter_dir: str, gamma: int):
-    """``[γ]`` STS temperatures from ``<drafter_dir>/sts.json`` (``{"temperatures": [...]}``
-    or a bare list), or ``None`` when the file is absent (raw confidences are used)."""
-    import json
-    import os
-
-    path = os.path.join(drafter_dir, STS_FILENAME)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            obj = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-    temps = obj.get("temperatures") if isinstance(obj, dict) else obj
-    if (
-        not isinstance(temps, list)
-        or len(temps) != gamma
-        or not all(isinstance(t, int | float) and t > 0 for t in temps)
-    ):
-        raise ValueError(f"{path}: expected {gamma} positive STS temperatures, got {temps!r}")
-    return np.asarray(temps, np.float32)
-
-
 def load_models(target_dir: str, drafter_dir: str | None = None, dtype=None):
     """``(target, target_params, tokenizer, drafter, drafter_params, sts)`` from a Hugging
-    Face Qwen3 directory (with ``tokenizer.json``) and an optional drafter directory."""
+    Face Qwen3 directory (with ``tokenizer.json``) and an optional drafter directory;
+    ``sts`` is the drafter's calibration from its ``sts.json`` (or None)."""
     import os
 
     from dspark_jax.convert import load_hf
+    from dspark_jax.eval.calibration import load_sts
     from dspark_jax.models.qwen3 import Qwen3
 
     if not os.path.isdir(target_dir):
@@ -944,7 +920,7 @@ def load_models(target_dir: str, drafter_dir: str | None = None, dtype=None):
             ) from e
         drafter, drafter_params = load_drafter(drafter_dir, config)
         gamma = 1 if drafter.config.kind == "mtp1" else drafter.config.gamma
-        sts = load_sts_temperatures(drafter_dir, gamma)
+        sts = load_sts(drafter_dir, gamma)
     return target, params, tokenizer, drafter, drafter_params, sts
 
 
@@ -998,6 +974,5 @@ __all__ = [
     "Result",
     "SamplingParams",
     "load_models",
-    "load_sts_temperatures",
     "tiny_random_models",
 ]

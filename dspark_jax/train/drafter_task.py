@@ -47,7 +47,7 @@ from dspark_jax.models.drafter_config import HEAD_INITS, HEADS, KINDS, DrafterCo
 from dspark_jax.models.qwen3 import REMAT_POLICIES, Qwen3, Qwen3Config
 from dspark_jax.train import anchors as A
 from dspark_jax.train import drafter_losses as L
-from dspark_jax.train.trainer import Task, default_config, register_task
+from dspark_jax.train.trainer import Task, default_config, fixed_eval_batches, register_task
 
 # Held-out anchors come from this constant key (not the training RNG): identical blocks at
 # every evaluation and for every drafter kind evaluated on the same data.
@@ -713,16 +713,9 @@ class DrafterTask(Task):
             d.data_dir, HELDOUT, d.seq_len, batch_size, 0, shard_index, shard_count,
             num_epochs=1, shuffle=False,
         )  # fmt: skip
-        out = []
-        for batch in it:
-            out.append(batch)
-            if len(out) >= num_batches:
-                break
-        if not out:
-            raise ValueError(f"empty data: the '{HELDOUT}' split of {d.data_dir} has no records")
-        while len(out) < num_batches:
-            out.append({k: (v * 0 if k == "loss_mask" else v) for k, v in out[-1].items()})
-        return out
+        return fixed_eval_batches(
+            it, num_batches, f"empty data: the '{HELDOUT}' split of {d.data_dir} has no records"
+        )
 
 
 register_task("drafter", "dspark_jax.train.drafter_task:DrafterTask")

@@ -16,7 +16,7 @@ import optax
 
 from dspark_jax.config import model_config_from
 from dspark_jax.models.qwen3 import Qwen3, Qwen3Config
-from dspark_jax.train.trainer import Task
+from dspark_jax.train.trainer import Task, fixed_eval_batches
 
 
 def next_token_targets(batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -172,14 +172,6 @@ class LMTask(Task):
             d.data_dir, HELDOUT, self.tokenizer, d.seq_len, batch_size, 0,
             shard_index=shard_index, shard_count=shard_count, num_epochs=1, shuffle=False,
         )  # fmt: skip
-        out = []
-        for batch in it:
-            out.append(batch)
-            if len(out) >= num_batches:
-                break
-        if not out:
-            raise ValueError(f"empty corpus: the '{HELDOUT}' split of {d.data_dir} has no tokens")
-        # Pad with fully masked batches so every host runs the same number of eval steps.
-        while len(out) < num_batches:
-            out.append({k: (v * 0 if k == "loss_mask" else v) for k, v in out[-1].items()})
-        return out
+        return fixed_eval_batches(
+            it, num_batches, f"empty corpus: the '{HELDOUT}' split of {d.data_dir} has no tokens"
+        )

@@ -191,6 +191,22 @@ class Task:
         return {"task": self.name, "model_config": dataclasses.asdict(self.model_config())}
 
 
+def fixed_eval_batches(batches, num_batches: int, empty_message: str) -> list[dict]:
+    """The first ``num_batches`` of ``batches`` (one unshuffled held-out pass, so every
+    evaluation sees the same tokens), padded with fully masked copies of the last one so
+    that every host runs the same number of eval steps."""
+    out = []
+    for batch in batches:
+        out.append(batch)
+        if len(out) >= num_batches:
+            break
+    if not out:
+        raise ValueError(empty_message)
+    while len(out) < num_batches:
+        out.append({k: (v * 0 if k == "loss_mask" else v) for k, v in out[-1].items()})
+    return out
+
+
 def make_task(cfg: ConfigDict) -> Task:
     if cfg.task not in TASKS:
         raise ConfigError(f"Unknown task {cfg.task!r}; allowed tasks: {sorted(TASKS)}")
