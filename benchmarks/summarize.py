@@ -88,6 +88,60 @@ def acceptance_section(
     return out
 
 
+def depth_section(acc) -> list[str]:
+    """Draft depth ablation: DSpark and DFlash at the bundled 2 layers and at DeepSpec's
+    released 5, same data and steps (``acceptance_depth.json``)."""
+    if acc is None:
+        return []
+    args = acc["config"]["args"]
+    layers = {d["label"]: d["config"]["num_layers"] for d in acc["config"]["drafters"]}
+    rows = [r for r in acc["results"] if r["temperature"] == 1.0]
+    tau = {(r["drafter"], r["prompt_set"]): r["tau"] for r in rows}
+    sets = list(dict.fromkeys(r["prompt_set"] for r in rows))
+    cmd = (
+        "python -m dspark_jax.eval acceptance --target assets/target "
+        + " ".join(f"--drafter {d}" for d in args["drafter"])
+        + " "
+        + " ".join(f"--prompts {p}" for p in args["prompts"])
+        + f" --temperature 1.0 --gamma {args['gamma']} --max-new-tokens "
+        f"{args['max_new_tokens']} --limit {args['limit']} --slots {args['slots']} "
+        "--out benchmarks/results/acceptance_depth.json"
+    )
+    pairs = []  # (dspark label, dflash label) per depth
+    for n in sorted(set(layers.values())):
+        ds = [d for d, k in layers.items() if k == n and d.startswith("dspark")]
+        df = [d for d, k in layers.items() if k == n and d.startswith("dflash")]
+        if ds and df:
+            pairs.append((n, ds[0], df[0]))
+    out = [
+        "## Draft depth (2 vs 5 layers)",
+        "",
+        "DSpark and DFlash retrained with 5 draft layers (DeepSpec's released depth) under the "
+        "bundled budget (same data, 400 steps), T = 1, otherwise as the Table 1 analog:",
+        "",
+        "    python train.py --config configs/drafter_dspark.py --config.drafter.num_layers=5 "
+        "--workdir workdirs/dspark_l5",
+        "    python -m dspark_jax.export --workdir workdirs/dspark_l5 --out "
+        "workdirs/drafters/dspark-l5 --dtype bfloat16   # likewise dflash",
+        f"    {cmd}",
+        "",
+        "| set | "
+        + " | ".join(f"{d} ({layers[d]} layers)" for d in layers)
+        + " | "
+        + " | ".join(f"DSpark/DFlash, {n} layers" for n, _, _ in pairs)
+        + " |",
+        "|---|" + "---|" * (len(layers) + len(pairs)),
+    ]
+    for s in sets:
+        cells = [f"{tau[(d, s)]:.3f}" if (d, s) in tau else "–" for d in layers]
+        ratios = [
+            f"{tau[(a, s)] / tau[(b, s)]:.3f}" if (a, s) in tau and (b, s) in tau else "–"
+            for _, a, b in pairs
+        ]
+        out.append(f"| {s} | " + " | ".join(cells + ratios) + " |")
+    return out + [""]
+
+
 def _temperature_only_heldout(sts_dir: pathlib.Path, bins: int) -> list[float] | None:
     """Held-out per-position ECE of DESIGN's temperature-only STS, refitted from the rounds
     an affine calibration saved (``sts_data.npz``): the two modes on identical data."""
@@ -400,6 +454,7 @@ def main() -> None:
         lines += acceptance_section(
             other, "acceptance_other_sets.json", "## Acceptance on the other prompt sets"
         )
+    lines += depth_section(_load(RESULTS / "acceptance_depth.json"))
     lines += calibration_section(sts, acc)
     lines += verify_section(_load(RESULTS / "verify_cost.json"))
     lines += compile_section(_load(RESULTS / "compile_time.json"))

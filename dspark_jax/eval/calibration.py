@@ -213,8 +213,8 @@ def fit_sts(
     ``logits``: raw confidence logits ``[N, γ]`` of a fixed-block run; ``accepted`` /
     ``verified``: ``[N]`` per-round counts. For each k the coarse grid (log-spaced
     0.05 … 20) is searched, then ``fine_points`` log-spaced values between the best grid
-    point's neighbours. Affine mode searches temperature × bias (``BIAS_GRID``) the same
-    way. Positions with no observed label keep ``T = 1, b = 0``.
+    point's neighbours. Affine mode searches temperature (default grid
+    ``AFFINE_TEMPERATURE_GRID``) × bias (``BIAS_GRID``) the same way. Positions with no observed label keep ``T = 1, b = 0``.
     """
     if mode not in STS_MODES:
         raise ValueError(f"unknown STS mode {mode!r}; allowed: {list(STS_MODES)}")
@@ -227,7 +227,8 @@ def fit_sts(
     labels, observed = metrics.prefix_labels(accepted, gamma, verified)
     if labels.shape[0] != z.shape[0]:
         raise ValueError(f"logits have {z.shape[0]} rounds, accepted has {labels.shape[0]}")
-    grid = COARSE_GRID if grid is None else np.sort(np.asarray(grid, np.float64))
+    default = AFFINE_TEMPERATURE_GRID if mode == "affine" else COARSE_GRID
+    grid = default if grid is None else np.sort(np.asarray(grid, np.float64))
     if grid.ndim != 1 or grid.size < 2 or grid.min() <= 0:
         raise ValueError("the STS grid needs >= 2 positive temperatures")
 
@@ -257,9 +258,8 @@ def fit_sts(
             fine = np.unique(np.r_[np.geomspace(lo, hi, fine_points), t0])
             t_best, b_best = _search(objective, fine), 0.0
         else:
-            t_grid = AFFINE_TEMPERATURE_GRID if grid is None else grid
-            t0, b0 = _search_2d(objective, t_grid, BIAS_GRID)
-            lo, hi = _neighbours(t_grid, t0)
+            t0, b0 = _search_2d(objective, grid, BIAS_GRID)
+            lo, hi = _neighbours(grid, t0)
             b_lo, b_hi = _neighbours(BIAS_GRID, b0)
             t_best, b_best = _search_2d(
                 objective,
