@@ -88,7 +88,7 @@ def acceptance_section(
     return out
 
 
-def depth_section(acc) -> list[str]:
+def depth_section(acc, main_acc=None) -> list[str]:
     """Draft depth ablation: DSpark and DFlash at the bundled 2 layers and at DeepSpec's
     released 5, same data and steps (``acceptance_depth.json``)."""
     if acc is None:
@@ -139,6 +139,22 @@ def depth_section(acc) -> list[str]:
             for _, a, b in pairs
         ]
         out.append(f"| {s} | " + " | ".join(cells + ratios) + " |")
+    # DSpark at each depth against the bundled EAGLE-3 of the Table 1 run (same prompts).
+    if main_acc is not None:
+        eagle = {
+            r["prompt_set"]: r["tau"]
+            for r in main_acc["results"]
+            if r["drafter"] == "eagle3" and r["temperature"] == 1.0
+        }
+        per_set = [
+            f"{s}: "
+            + ", ".join(f"{a} {tau[(a, s)] / eagle[s]:.3f}" for _, a, _ in pairs if (a, s) in tau)
+            for s in sets
+            if s in eagle
+        ]
+        if per_set:
+            out += ["", "DSpark / EAGLE-3 at T = 1 (EAGLE-3 from the Table 1 run, same prompts): "
+                    + "; ".join(per_set) + "."]  # fmt: skip
     return out + [""]
 
 
@@ -172,12 +188,12 @@ def calibration_section(sts, acc, sts_dir=ROOT / "assets" / "drafters" / "dspark
     mode = sts.get("mode", "temperature")
     # The command, rebuilt from what calibrate recorded in sts.json.
     files = data.get("prompt_files", [])
-    n_prompts = len(data.get("fit_prompts", [])) + len(data.get("heldout_prompts", []))
+    limit = f" --limit {data['limit']}" if data.get("limit") else ""
     cmd = (
         f"python -m dspark_jax.eval calibrate --target {data.get('target')} --drafter "
         f"{data.get('drafter')} "
         + " ".join(f"--prompts {f}" for f in files)
-        + f" --limit {n_prompts // max(len(files), 1)} --split-fraction "
+        + f"{limit} --split-fraction "
         f"{data.get('split_fraction')} --temperature {data.get('temperature')} "
         f"--max-new-tokens {data.get('max_new_tokens')} --slots {data.get('slots')}"
         + (f" --mode {mode}" if mode != "temperature" else "")
@@ -454,7 +470,7 @@ def main() -> None:
         lines += acceptance_section(
             other, "acceptance_other_sets.json", "## Acceptance on the other prompt sets"
         )
-    lines += depth_section(_load(RESULTS / "acceptance_depth.json"))
+    lines += depth_section(_load(RESULTS / "acceptance_depth.json"), acc)
     lines += calibration_section(sts, acc)
     lines += verify_section(_load(RESULTS / "verify_cost.json"))
     lines += compile_section(_load(RESULTS / "compile_time.json"))

@@ -197,6 +197,8 @@ def test_cli_calibrate_writes_sts(cli_run):
     sts = json.loads((ddir / "sts.json").read_text())
     assert len(sts["temperatures"]) == GAMMA and all(t > 0 for t in sts["temperatures"])
     assert sts["data"]["fit_prompts"] == ["gsm8k[0]", "gsm8k[1]"]
+    assert sts["data"]["limit"] is None and sts["mode"] == "temperature"
+    assert sts["biases"] == [0.0] * GAMMA
     assert sts["data"]["heldout_prompts"] == ["gsm8k[2]", "gsm8k[3]"]
     assert len(sts["heldout_metrics"]) == GAMMA
     np.testing.assert_allclose(cal.load_sts(ddir).temperatures, sts["temperatures"], rtol=1e-6)

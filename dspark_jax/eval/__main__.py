@@ -229,6 +229,7 @@ def cmd_calibrate(args) -> int:
         "prompt_files": args.prompts,
         "prompt_style": args.prompt_style,
         "split_fraction": args.split_fraction,
+        "limit": args.limit,
         "fit_prompts": [f"{p.set_name}[{p.index}]" for p in fit_prompts],
         "heldout_prompts": [f"{p.set_name}[{p.index}]" for p in held_prompts],
         "fit_rounds": int(fit.accepted.size),
