@@ -223,3 +223,31 @@ def test_no_compilation_after_warmup_over_many_requests(setup):
     assert engine.compilations_after_warmup == 0
     assert engine.stats.rounds > 0 and engine.stats.mean_tau >= 1.0
     _wait_idle(engine)
+
+
+def test_fixed_length_verifies_gamma_per_occupied_slot(setup):
+    """Fixed γ takes the smallest verify bucket holding γ drafts per occupied slot (not
+    R·γ rows of padding when lightly loaded) and still verifies all γ drafts every round:
+    output equal to autoregressive greedy, no compilation after warm-up."""
+    tok, target, tp, _ = setup
+    drafter_models = tiny_random_models(tok, "dspark", gamma=3, max_len=MAX_LEN)
+    cfg = EngineConfig(num_slots=SLOTS, max_len=MAX_LEN, scheduler="fixed", max_queue=8)
+    engine = Engine(target, tp, tok, *drafter_models[2:], cfg).start()
+    try:
+        assert engine.verify_buckets == (1, 3, 4, 6, 7, 9, 10, 12)  # default_buckets(4, 3)
+        ids = tok.encode(PROMPTS[0])
+        res = _run_all(engine, [PROMPTS[0]], [SamplingParams(max_tokens=10)])[0]
+        assert engine.stats.budget_sum == 3 * engine.stats.rounds  # one slot: K = γ = 3
+        ref = generate(target, tp, [ids], 10, eos_id=tok.eos_id, max_len=MAX_LEN)
+        assert res.token_ids == ref.tokens[0]
+        # Every round but a request's last (capped by max_tokens) verifies all γ drafts.
+        assert res.mean_verified > 2
+        # Several requests at once: the budget grows with the occupied slots.
+        results = _run_all(engine, PROMPTS, [SamplingParams(max_tokens=8)] * len(PROMPTS))
+        refs = generate(target, tp, [tok.encode(p) for p in PROMPTS], 8, eos_id=tok.eos_id,
+                        max_len=MAX_LEN).tokens  # fmt: skip
+        assert [r.token_ids for r in results] == refs
+        assert engine.stats.budget_sum > 3 * engine.stats.rounds
+        assert engine.compilations_after_warmup == 0
+    finally:
+        engine.shutdown(drain=False, timeout=30)

@@ -270,8 +270,9 @@ class EngineConfig:
     num_slots: decode slots R. max_len: cache positions per slot (prompt + output).
     scheduler: none | fixed | threshold | prefix | topk (DESIGN §5.3).
     max_queue: bound of the admission queue (full -> ``QueueFull``).
-    verify_buckets: compiled verify budgets K for ``topk`` (default
-      ``runner.default_buckets``); SPS is profiled on these for ``prefix``/``topk``.
+    verify_buckets: compiled verify budgets K (default ``runner.default_buckets``): topk
+      rounds its budget up to one, prefix its Σ l, fixed/threshold γ per occupied slot;
+      SPS is profiled on these for ``prefix``/``topk``.
     sps_cache: JSON file caching the SPS table (``sched.sps.load_or_profile``); None = none.
     sps_repeats: timed calls per bucket when profiling.
     """
@@ -374,10 +375,13 @@ class Engine:
         r, g = cfg.num_slots, self.gamma
         full = self.decoder.full_budget
         # Compiled verify budgets K. topk rounds its budget up to one of them; prefix runs
-        # plan -> smallest bucket >= Σ l -> commit (runner's two-phase mode); the largest
-        # bucket always holds every draft. fixed/threshold run one shape; no speculation
+        # plan -> smallest bucket >= Σ l -> commit (runner's two-phase mode); fixed and
+        # threshold verify at most γ drafts per occupied slot, so they take the smallest
+        # bucket that holds γ per occupied slot (known on the host without waiting on the
+        # device; like padding a batch to a captured size) instead of R·γ rows for a lightly
+        # loaded server. The largest bucket always holds every draft. No speculation
         # verifies only the R anchors (K = 0).
-        if scheduler in ("topk", "prefix"):
+        if scheduler in ("topk", "prefix", "fixed", "threshold"):
             buckets = set(cfg.verify_buckets or default_buckets(r, g)) | {full}
             if any(not 0 <= b <= full for b in buckets):
                 raise ValueError(
@@ -386,8 +390,8 @@ class Engine:
             self.verify_buckets = tuple(sorted(buckets))
         elif scheduler == "none":
             self.verify_buckets = (0,)
-        else:
-            self.verify_buckets = (full,)
+        else:  # pragma: no cover - every scheduler is handled above
+            raise ValueError(f"unknown scheduler {scheduler!r}")
         self.two_phase = scheduler == "prefix" and len(self.verify_buckets) > 1
         self.prompt_buckets = self._prompt_buckets(cfg.max_len)
         self.sps_table: sps_lib.SPSTable | None = None
@@ -743,6 +747,11 @@ class Engine:
                 self._process(self._inflight.popleft())
 
     def _next_budget(self) -> int:
+        if self.scheduler in ("fixed", "threshold"):
+            # Occupied slots include any that finish in the round still in flight, so this
+            # is an upper bound on the drafts the device will ask to verify.
+            need = self.gamma * sum(a is not None for a in self._slots)
+            return next(k for k in self.verify_buckets if k >= need)
         if self.scheduler != "topk":
             return self.verify_buckets[-1]
         if not self._history:
