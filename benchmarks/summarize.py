@@ -20,11 +20,9 @@ def _load(path: pathlib.Path):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def acceptance_section(
-    acc, out_name: str = "acceptance.json", title: str = "## Acceptance (Table 1 analog)"
-) -> list[str]:
-    args = acc["config"]["args"]
-    cmd = (
+def _acceptance_command(args: dict, out_name: str) -> str:
+    """The acceptance command that reproduces a results file (from its recorded args)."""
+    return (
         "python -m dspark_jax.eval acceptance --target assets/target "
         + " ".join(f"--drafter {d}" for d in args["drafter"])
         + " "
@@ -33,6 +31,13 @@ def acceptance_section(
         + f" --max-new-tokens {args['max_new_tokens']} --limit {args['limit']}"
         + f" --slots {args['slots']} --out benchmarks/results/{out_name}"
     )
+
+
+def acceptance_section(
+    acc, out_name: str = "acceptance.json", title: str = "## Acceptance (Table 1 analog)"
+) -> list[str]:
+    args = acc["config"]["args"]
+    cmd = _acceptance_command(args, out_name)
     rows = acc["results"]
     drafters = list(dict.fromkeys(r["drafter"] for r in rows))
     sets = list(dict.fromkeys(r["prompt_set"] for r in rows))
@@ -98,15 +103,7 @@ def depth_section(acc, main_acc=None) -> list[str]:
     rows = [r for r in acc["results"] if r["temperature"] == 1.0]
     tau = {(r["drafter"], r["prompt_set"]): r["tau"] for r in rows}
     sets = list(dict.fromkeys(r["prompt_set"] for r in rows))
-    cmd = (
-        "python -m dspark_jax.eval acceptance --target assets/target "
-        + " ".join(f"--drafter {d}" for d in args["drafter"])
-        + " "
-        + " ".join(f"--prompts {p}" for p in args["prompts"])
-        + f" --temperature 1.0 --gamma {args['gamma']} --max-new-tokens "
-        f"{args['max_new_tokens']} --limit {args['limit']} --slots {args['slots']} "
-        "--out benchmarks/results/acceptance_depth.json"
-    )
+    cmd = _acceptance_command(args, "acceptance_depth.json")
     pairs = []  # (dspark label, dflash label) per depth
     for n in sorted(set(layers.values())):
         ds = [d for d, k in layers.items() if k == n and d.startswith("dspark")]

@@ -423,6 +423,18 @@ def test_greedy_other_kinds_without_speculation(target, kind, mode):
     _greedy_case(target, kind, mode, n_prompts=5, max_new=8)
 
 
+def _two_prompts_prefilled(dec, seed):
+    """A 2-slot state after prefilling two short prompts (lengths 3 and 5) at T = 1."""
+    state = dec.init_state(seed=seed)
+    prompts = np.array([PROMPT + [0] * 5, [5, 2, 8, 9, 4, 0, 0, 0]])
+    ones = np.ones(2, np.float32)
+    state, _ = dec.prefill(
+        state, np.arange(2), prompts, np.array([3, 5]), np.array([20, 20]), ones,
+        np.zeros(2, np.int32), ones,
+    )  # fmt: skip
+    return state
+
+
 def test_sts_calibration_applied_to_confidences(target):
     """``sts_temperatures``/``sts_biases`` turn the head's logits into σ(z / T + b), and the
     survival the scheduler sees is their running product."""
@@ -436,13 +448,7 @@ def test_sts_calibration_applied_to_confidences(target):
     cal = SpeculativeDecoder(
         model, params, drafter, dparams, cfg, sts_temperatures=temps, sts_biases=biases
     )
-    state = raw.init_state(seed=0)
-    prompts = np.array([PROMPT + [0] * 5, [5, 2, 8, 9, 4, 0, 0, 0]])
-    ones = np.ones(2, np.float32)
-    state, _ = raw.prefill(
-        state, np.arange(2), prompts, np.array([3, 5]), np.array([20, 20]), ones,
-        np.zeros(2, np.int32), ones,
-    )  # fmt: skip
+    state = _two_prompts_prefilled(raw, seed=0)
     c_raw = np.asarray(raw.plan(state).confidence, np.float64)
     plan = cal.plan(state)
     z = np.log(c_raw) - np.log1p(-c_raw)
@@ -465,13 +471,7 @@ def test_kv_cached_context_matches_feature_draft(target, kind):
         model, params, drafter, dparams, StepConfig(num_slots=2, max_len=m, sampling=True)
     )
     assert dec.kv_cache and dec.feat_dim == 1 * 2 * CFG.num_key_value_heads * CFG.head_dim
-    state = dec.init_state(seed=3)
-    prompts = np.array([PROMPT + [0] * 5, [5, 2, 8, 9, 4, 0, 0, 0]])
-    ones = np.ones(2, np.float32)
-    state, _ = dec.prefill(
-        state, np.arange(2), prompts, np.array([3, 5]), np.array([20, 20]), ones,
-        np.zeros(2, np.int32), ones,
-    )  # fmt: skip
+    state = _two_prompts_prefilled(dec, seed=3)
     for _ in range(2):
         state, _ = dec.round(state)
     plan = dec.plan(state)
