@@ -52,19 +52,25 @@ def acceptance_section(
         "",
         f"    {cmd}",
         "",
-        "| set | T | " + " | ".join(drafters) + " | DSpark/DFlash | DSpark/EAGLE-3 |",
-        "|---|---|" + "---|" * (len(drafters) + 2),
+        "| set | T | "
+        + " | ".join(drafters)
+        + " | DSpark/DFlash | DSpark/EAGLE-3 | DSpark-RNN/DFlash | DSpark-RNN/EAGLE-3 |",
+        "|---|---|" + "---|" * (len(drafters) + 4),
     ]
+
+    def ratio(a, b):
+        return f"{a / b:.3f}" if a and b else "–"
+
     for s in sets:
         for t in temps:
             vals = [tau.get((d, s, t)) for d in drafters]
-            ds, df, ea = (tau.get((d, s, t)) for d in ("dspark", "dflash", "eagle3"))
-            r1 = f"{ds / df:.3f}" if ds and df else "–"
-            r2 = f"{ds / ea:.3f}" if ds and ea else "–"
+            ds, rnn, df, ea = (
+                tau.get((d, s, t)) for d in ("dspark", "dspark-rnn", "dflash", "eagle3")
+            )
             out.append(
                 f"| {s} | {t:g} | "
                 + " | ".join("–" if v is None else f"{v:.3f}" for v in vals)
-                + f" | {r1} | {r2} |"
+                + f" | {ratio(ds, df)} | {ratio(ds, ea)} | {ratio(rnn, df)} | {ratio(rnn, ea)} |"
             )
     out += [
         "",

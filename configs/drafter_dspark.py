@@ -1,4 +1,4 @@
-"""DSpark: 2-layer parallel backbone + Markov head (rank 64) + confidence head.
+"""DSpark: 2-layer parallel backbone + Markov head (rank 256) + confidence head.
 
 Bundled drafter (DESIGN §8) for the "pycode-small" target in ``assets/target`` (d = 256,
 6 layers, vocab 8192, tied embeddings), trained on its self-distillation data in

@@ -1,4 +1,4 @@
-"""DSpark with the RNN sequential head (rank 64) + confidence head.
+"""DSpark with the RNN sequential head (rank 256) + confidence head.
 
 Bundled drafter (DESIGN §8) for the "pycode-small" target in ``assets/target`` (d = 256,
 6 layers, vocab 8192, tied embeddings), trained on its self-distillation data in
@@ -21,8 +21,8 @@ def get_config():
     d.gamma = 7
     d.num_layers = 2
     d.head = "rnn"
-    d.rnn_rank = 64  # same size class as the Markov head's rank (see drafter_dspark.py)
-    d.markov_rank = 64
+    d.rnn_rank = 256  # DESIGN's default rank, as for the Markov head (drafter_dspark.py)
+    d.markov_rank = 256
     # W2 = 0, W1 ~ N(0, 1): with DeepSpec's N(0, 0.02) factors the head learnt a bias of
     # ~0.003 logits in the budget, i.e. nothing (models/heads.py SequentialHead).
     d.head_init = "zero_bias"
