@@ -20,6 +20,10 @@ def _load(path: pathlib.Path):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _ratio(a, b) -> str:
+    return f"{a / b:.3f}" if a and b else "–"
+
+
 def _acceptance_command(args: dict, out_name: str) -> str:
     """The acceptance command that reproduces a results file (from its recorded args)."""
     return (
@@ -58,9 +62,6 @@ def acceptance_section(
         "|---|---|" + "---|" * (len(drafters) + 4),
     ]
 
-    def ratio(a, b):
-        return f"{a / b:.3f}" if a and b else "–"
-
     for s in sets:
         for t in temps:
             vals = [tau.get((d, s, t)) for d in drafters]
@@ -70,7 +71,7 @@ def acceptance_section(
             out.append(
                 f"| {s} | {t:g} | "
                 + " | ".join("–" if v is None else f"{v:.3f}" for v in vals)
-                + f" | {ratio(ds, df)} | {ratio(ds, ea)} | {ratio(rnn, df)} | {ratio(rnn, ea)} |"
+                + f" | {_ratio(ds, df)} | {_ratio(ds, ea)} | {_ratio(rnn, df)} | {_ratio(rnn, ea)} |"
             )
     out += [
         "",
@@ -137,10 +138,7 @@ def depth_section(acc, main_acc=None) -> list[str]:
     ]
     for s in sets:
         cells = [f"{tau[(d, s)]:.3f}" if (d, s) in tau else "–" for d in layers]
-        ratios = [
-            f"{tau[(a, s)] / tau[(b, s)]:.3f}" if (a, s) in tau and (b, s) in tau else "–"
-            for _, a, b in pairs
-        ]
+        ratios = [_ratio(tau.get((a, s)), tau.get((b, s))) for _, a, b in pairs]
         out.append(f"| {s} | " + " | ".join(cells + ratios) + " |")
     # DSpark at each depth against the bundled EAGLE-3 of the Table 1 run (same prompts).
     if main_acc is not None:

@@ -198,7 +198,7 @@ def cmd_calibrate(args) -> int:
     res = cal.fit_sts(fit.logits, fit.accepted, fit.verified, n_bins=args.bins, mode=args.mode)
     # Positions beyond --gamma were never verified: they keep T = 1, b = 0.
     res = res.padded(spec.draft_len)
-    sts = cal.STS(*(np.asarray(x)[:g] for x in res.sts))
+    sts = res.sts.first(g)
 
     def report(r):
         if r is None or r.accepted.size == 0:

@@ -283,12 +283,7 @@ def summarize(records: RoundRecords, sts: cal.STS | None = None) -> dict[str, An
     if r.logits is not None and r.accepted.size:
         calib = {"raw": calibration_summary(r.logits, r.accepted, r.verified)}
         if sts is not None:
-            calib["sts"] = calibration_summary(
-                r.logits,
-                r.accepted,
-                r.verified,
-                cal.STS(*(np.asarray(x)[: r.gamma] for x in sts)),
-            )
+            calib["sts"] = calibration_summary(r.logits, r.accepted, r.verified, sts.first(r.gamma))
         out["calibration"] = calib
     return out
 

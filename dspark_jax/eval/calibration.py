@@ -12,8 +12,9 @@ unchanged); it only moves probabilities to where they match observed acceptance.
 ``c_k = σ(z_k / T_k + b_k)`` by a 2-D grid search per position, still left to right. Why
 it exists: the cumulative product of confidences that are calibrated one position at a
 time is not calibrated itself — ``c_k`` is evaluated on every round, including those whose
-earlier drafts were rejected, where it is as high as on accepted ones — so ``a_k`` runs
-about 1.5 points above the observed survival at k = 2–4 on the bundled drafter. When the
+earlier drafts were rejected, where it is as high as on accepted ones. On the bundled
+drafter's calibration rounds (its ``sts_data.npz``) the raw ``a_k`` runs 1–3 points above
+the observed survival at every position. When the
 head discriminates weakly (AUROC ≈ 0.55–0.6) the ECE-optimal map is close to a constant,
 which ``σ(z / T)`` can only approach at ½; one shift per position expresses it. The map
 stays strictly increasing, so the ranking (AUROC) is unchanged in both modes.
@@ -99,6 +100,10 @@ class STS(NamedTuple):
 
     temperatures: np.ndarray  # [γ], > 0
     biases: np.ndarray  # [γ]; all zero for DESIGN's temperature-only STS
+
+    def first(self, n: int) -> STS:
+        """The calibration of the first ``n`` positions (a run drafting fewer than γ)."""
+        return STS(np.asarray(self.temperatures)[:n], np.asarray(self.biases)[:n])
 
 
 def apply_sts(logits, temperatures, biases=None) -> np.ndarray:
@@ -214,7 +219,8 @@ def fit_sts(
     ``verified``: ``[N]`` per-round counts. For each k the coarse grid (log-spaced
     0.05 … 20) is searched, then ``fine_points`` log-spaced values between the best grid
     point's neighbours. Affine mode searches temperature (default grid
-    ``AFFINE_TEMPERATURE_GRID``) × bias (``BIAS_GRID``) the same way. Positions with no observed label keep ``T = 1, b = 0``.
+    ``AFFINE_TEMPERATURE_GRID``) × bias (``BIAS_GRID``) the same way, refining over
+    ``AFFINE_FINE_POINTS`` per axis. Positions with no observed label keep ``T = 1, b = 0``.
     """
     if mode not in STS_MODES:
         raise ValueError(f"unknown STS mode {mode!r}; allowed: {list(STS_MODES)}")

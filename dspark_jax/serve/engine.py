@@ -381,17 +381,15 @@ class Engine:
         # device; like padding a batch to a captured size) instead of R·γ rows for a lightly
         # loaded server. The largest bucket always holds every draft. No speculation
         # verifies only the R anchors (K = 0).
-        if scheduler in ("topk", "prefix", "fixed", "threshold"):
+        if scheduler == "none":
+            self.verify_buckets = (0,)
+        else:
             buckets = set(cfg.verify_buckets or default_buckets(r, g)) | {full}
             if any(not 0 <= b <= full for b in buckets):
                 raise ValueError(
                     f"verify_buckets must lie in [0, R·γ = {full}]; got {sorted(buckets)}"
                 )
             self.verify_buckets = tuple(sorted(buckets))
-        elif scheduler == "none":
-            self.verify_buckets = (0,)
-        else:  # pragma: no cover - every scheduler is handled above
-            raise ValueError(f"unknown scheduler {scheduler!r}")
         self.two_phase = scheduler == "prefix" and len(self.verify_buckets) > 1
         self.prompt_buckets = self._prompt_buckets(cfg.max_len)
         self.sps_table: sps_lib.SPSTable | None = None
