@@ -3,19 +3,19 @@
     python serve.py                       # assets/target + assets/drafters/dspark, 127.0.0.1:8000
     python serve.py --drafter none        # no speculation
     python serve.py --scheduler prefix --slots 16 --port 8080
-    python serve.py --demo                # no speculation vs DSpark on HumanEval prompts
+    python serve.py --demo                # no speculation vs DSpark, greedy and T = 1
 
-Endpoints: POST /v1/completions (stream=true for SSE), GET /v1/models, GET /health,
-GET /metrics. SIGTERM/Ctrl-C drains in-flight requests, then exits.
+Endpoints: POST /v1/completions (stream=true for SSE), GET /v1/models, GET /health (503
+"starting" while the engine compiles at start-up), GET /metrics. SIGTERM/Ctrl-C drains
+in-flight requests, then exits (status 0 after a SIGTERM drain). Bad arguments print
+"error: ..." and exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import re
 import sys
 import time
 
@@ -41,10 +41,16 @@ def parse_args(argv=None):
         "--scheduler",
         default="topk",
         choices=["none", "fixed", "threshold", "prefix", "topk"],
-        help="verification scheduler (DESIGN §5.3); default: dynamic top-K",
+        help="verification scheduler; default: dynamic top-K (the load-aware production "
+        "scheduler; python -m dspark_jax.generate defaults to fixed, every draft verified)",
     )
     p.add_argument("--threshold", type=float, default=0.5, help="static-threshold arm")
-    p.add_argument("--slots", type=int, default=8, help="decode slots (max concurrent requests)")
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="decode slots (max concurrent requests); default 8, and 1 for --demo",
+    )
     p.add_argument("--max-len", type=int, default=512, help="cache positions per request")
     p.add_argument("--max-queue", type=int, default=256, help="admission queue bound (429)")
     p.add_argument(
@@ -55,37 +61,65 @@ def parse_args(argv=None):
     p.add_argument("--model-name", default=None, help="name reported by /v1/models")
     p.add_argument(
         "--sps-cache",
-        default=os.path.join(os.path.expanduser("~"), ".cache", "dspark_jax", "sps.json"),
-        help="SPS profile cache (JSON)",
+        default=None,
+        help="SPS profile cache (JSON; default ~/.cache/dspark_jax/sps.json)",
     )
     p.add_argument("--demo", action="store_true", help="side-by-side demo, then exit")
-    p.add_argument("--demo-prompts", type=int, default=4)
-    p.add_argument("--demo-tokens", type=int, default=96)
+    p.add_argument("--demo-prompts", type=int, default=4, help="number of demo prompts")
+    p.add_argument("--demo-tokens", type=int, default=96, help="new tokens per demo prompt")
+    p.add_argument(
+        "--demo-prompts-file",
+        default=None,
+        help="JSONL prompts for --demo ('turns' lists; default: a humaneval.jsonl in "
+        "../shared/eval_datasets beside the checkout if present, else built-in prompts)",
+    )
     args = p.parse_args(argv)
-    for flag, low in (("slots", 1), ("max_len", 4), ("max_queue", 1), ("prefill_batch", 1)):
+    if args.slots is None:
+        args.slots = 1 if args.demo else 8
+    checks = (
+        ("slots", 1),
+        ("max_len", 4),
+        ("max_queue", 1),
+        ("prefill_batch", 1),
+        ("demo_prompts", 1),
+        ("demo_tokens", 1),
+    )
+    for flag, low in checks:
         if getattr(args, flag) < low:
             p.error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}")
     return args
 
 
 def _check_paths(args) -> str | None:
+    """The drafter directory (None: no speculation); raises a user error naming what is
+    wrong with ``--target`` / ``--drafter``."""
     if not os.path.isdir(args.target):
-        raise SystemExit(
-            f"error: target model directory {args.target} not found. The bundled models are "
-            "built by train.py (see README); or pass --target DIR (a Hugging Face Qwen3 "
-            "directory with tokenizer.json)."
+        bundled = "" if args.target == DEFAULT_TARGET else f" (the bundled one is {DEFAULT_TARGET})"
+        raise FileNotFoundError(
+            f"--target {args.target}: no such directory. Pass a Hugging Face Qwen3 directory "
+            f"(config.json, model.safetensors, tokenizer.json){bundled}."
+        )
+    if os.path.isfile(os.path.join(args.target, "drafter_config.json")):
+        raise ValueError(
+            f"--target {args.target} looks like a drafter directory (it has "
+            "drafter_config.json): pass it as --drafter, and a Hugging Face Qwen3 directory "
+            f"as --target (default {DEFAULT_TARGET})"
         )
     if args.drafter in (None, "", "none"):
         return None
     if not os.path.isdir(args.drafter):
-        raise SystemExit(
-            f"error: drafter directory {args.drafter} not found. Pass --drafter DIR, or "
-            "--drafter none to serve without speculation."
+        raise FileNotFoundError(
+            f"--drafter {args.drafter}: no such directory. Pass a drafter directory "
+            f"(drafter_config.json + model.safetensors; bundled ones are under "
+            f"{os.path.dirname(DEFAULT_DRAFTER)}), or --drafter none to serve without "
+            "speculation."
         )
     return args.drafter
 
 
 def build_engine(args, drafter_dir, scheduler, models=None):
+    """An engine for these arguments, not yet started (``engine.start()`` warms it up)."""
+    from dspark_jax.sched.sps import default_cache_path
     from dspark_jax.serve.engine import Engine, EngineConfig, load_models
 
     target, tp, tok, drafter, dp, sts = models or load_models(args.target, drafter_dir)
@@ -94,7 +128,12 @@ def build_engine(args, drafter_dir, scheduler, models=None):
     elif scheduler == "none":
         drafter = dp = sts = None  # no drafter: its STS temperatures go with it
     elif drafter.config.kind != "dspark" and scheduler in ("threshold", "prefix", "topk"):
-        scheduler = "fixed"  # schedulers need a confidence head
+        print(
+            f"note: the {drafter.config.kind} drafter has no confidence head; using the "
+            f"fixed-length scheduler instead of {scheduler}",
+            file=sys.stderr,
+        )
+        scheduler = "fixed"
     name = args.model_name or os.path.basename(os.path.normpath(args.target))
     cfg = EngineConfig(
         num_slots=args.slots,
@@ -103,27 +142,38 @@ def build_engine(args, drafter_dir, scheduler, models=None):
         max_queue=args.max_queue,
         prefill_batch=args.prefill_batch,
         threshold=args.threshold,
-        sps_cache=args.sps_cache,
+        sps_cache=args.sps_cache or default_cache_path(),
         model_name=name,
     )
-    return Engine(target, tp, tok, drafter, dp, cfg, sts=sts).start()
+    return Engine(target, tp, tok, drafter, dp, cfg, sts=sts)
 
 
-def humaneval_prompts(path: str, n: int) -> list[str]:
-    """First turn of each record, formatted as code: the fenced code block (DESIGN §7)."""
-    if not os.path.isfile(path):
-        # Checkouts without ../shared still get a demo: a few code prompts of our own.
-        print(f"note: {path} not found; using built-in code prompts", file=sys.stderr)
-        return FALLBACK_PROMPTS[:n]
-    out = []
-    with open(path) as f:
-        for line in f:
-            turn = json.loads(line)["turns"][0]
-            m = re.search(r"```(?:python)?\n(.*?)```", turn, re.S)
-            out.append(m.group(1) if m else turn)
-            if len(out) == n:
-                break
-    return out
+def find_demo_prompts(path: str | None) -> str | None:
+    """The demo's prompt file: ``path``, else a HumanEval JSONL in the development layout
+    (``../shared/eval_datasets`` beside the checkout) if present, else None (built-in)."""
+    if path is not None:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--demo-prompts-file {path}: no such file")
+        return path
+    return HUMANEVAL if os.path.isfile(HUMANEVAL) else None
+
+
+def demo_prompts(path: str | None, n: int) -> tuple[list[str], str]:
+    """``(prompts, description)``: the first ``n`` records of a JSONL prompt file rendered
+    for a base code model (a fenced code block is extracted, as ``dspark_jax.eval`` does),
+    or the built-in code prompts when there is no file."""
+    from dspark_jax.eval.prompts import load_prompts
+
+    if path is None:
+        return FALLBACK_PROMPTS[:n], f"{min(n, len(FALLBACK_PROMPTS))} built-in code prompts"
+    prompts = [p.formatted for p in load_prompts(path, n)]
+    return prompts, f"the first {len(prompts)} prompts of {path}"
+
+
+def _excerpt(text: str, max_lines: int = 12) -> str:
+    lines = text.splitlines()
+    more = len(lines) - max_lines
+    return "\n".join(lines[:max_lines]) + (f"\n    [... {more} more lines]" if more > 0 else "")
 
 
 def demo(args) -> int:
@@ -131,15 +181,21 @@ def demo(args) -> int:
 
     drafter_dir = _check_paths(args)
     if drafter_dir is None:
-        raise SystemExit("error: --demo compares against DSpark; give a --drafter directory")
+        raise ValueError("--demo compares no speculation with DSpark; give a --drafter directory")
+    prompts, source = demo_prompts(find_demo_prompts(args.demo_prompts_file), args.demo_prompts)
+    print(
+        f"demo: {source}, {args.demo_tokens} new tokens each, one request at a time "
+        f"({args.slots} slot), target {args.target}, drafter {drafter_dir}",
+        file=sys.stderr,
+    )
     models = load_models(args.target, drafter_dir)
-    prompts = humaneval_prompts(HUMANEVAL, args.demo_prompts)
     # Greedy shows losslessness (identical outputs); T = 1 is the regime the drafters were
-    # trained for (the small bundled target's greedy text falls into loops, see BENCHMARKS.md).
+    # trained for.
     temps = (0.0, 1.0)
     rows = {}
     for label, sched in (("no speculation", "none"), ("DSpark", args.scheduler)):
-        engine = build_engine(args, drafter_dir, sched, models)
+        print(f"demo: warming up the {label} engine (compiling)", file=sys.stderr)
+        engine = build_engine(args, drafter_dir, sched, models).start()
         for temp in temps:
             t0 = time.perf_counter()
             results = [  # one request at a time; seeded, so each T = 1 sample is reproducible
@@ -150,35 +206,76 @@ def demo(args) -> int:
             wall = time.perf_counter() - t0
             tokens = sum(r.completion_tokens for r in results)
             rounds = sum(r.rounds for r in results)
-            rows[label, temp] = (sched, tokens / max(rounds, 1), tokens / wall, results)
+            # τ: tokens the decode rounds emitted per round (the prefill's first token is
+            # not a round's), so no speculation is exactly 1.
+            emitted = sum(r.mean_accepted_length * r.rounds for r in results)
+            rows[label, temp] = (engine.scheduler, emitted / max(rounds, 1), tokens / wall, results)
         engine.shutdown()
+    n_tok = sum(r.completion_tokens for r in rows["DSpark", 0.0][3])
+    print(
+        f"\n{len(prompts)} prompts x {args.demo_tokens} new tokens ({n_tok} generated greedy), "
+        "one request at a time, on this machine"
+    )
     print(f"\n{'arm':<16}{'scheduler':<11}{'T':>4}{'tau':>7}{'tok/s':>10}{'speedup':>9}")
     for temp in temps:
         base = rows["no speculation", temp][2]
         for label in ("no speculation", "DSpark"):
             sched, tau, tps, _ = rows[label, temp]
             print(f"{label:<16}{sched:<11}{temp:>4g}{tau:>7.2f}{tps:>10.1f}{tps / base:>8.2f}x")
+    print(
+        "\ntau: tokens per decode round (accepted draft tokens + the target's own token); "
+        "1 without speculation"
+    )
     greedy = [rows[label, 0.0][3] for label in ("no speculation", "DSpark")]
-    same = all(a.token_ids == b.token_ids for a, b in zip(*greedy))
-    print(f"\ngreedy outputs identical: {same}")
-    sample = rows["DSpark", 1.0][3][0].text
-    print(f"\n--- first prompt ---\n{prompts[0]}--- DSpark output (T = 1) ---\n{sample}")
-    return 0
+    same = sum(a.token_ids == b.token_ids for a, b in zip(*greedy))
+    verdict = "passed" if same == len(prompts) else "FAILED"
+    print(
+        f"lossless check (greedy DSpark output == no speculation, token for token): "
+        f"{verdict}, {same} of {len(prompts)} prompts"
+    )
+    g_tau = rows["DSpark", 0.0][1]
+    g_speed = rows["DSpark", 0.0][2] / rows["no speculation", 0.0][2]
+    if g_speed < 1:
+        print(
+            f"greedy is slower here: at tau {g_tau:.2f} the extra tokens per round do not pay "
+            "for drafting and verifying gamma tokens on a CPU (the small bundled target's "
+            "greedy text falls into loops its drafter predicts poorly); at T = 1, the "
+            f"regime the drafter was trained for, tau is {rows['DSpark', 1.0][1]:.2f}"
+        )
+    print(
+        f"\n--- prompt 1 + greedy continuation (DSpark) ---\n{_excerpt(prompts[0] + greedy[1][0].text)}"
+    )
+    t1 = rows["DSpark", 1.0][3][0].text
+    print(f"\n--- prompt 1 + sampled continuation (DSpark, T = 1) ---\n{_excerpt(prompts[0] + t1)}")
+    return 0 if same == len(prompts) else 1
+
+
+def serve(args) -> int:
+    from dspark_jax.serve.server import create_app, make_server
+
+    drafter_dir = _check_paths(args)
+    engine = build_engine(args, drafter_dir, args.scheduler)
+    app = create_app(engine)
+    server = make_server(app, args.host, args.port)
+    print(
+        f"serving {engine.config.model_name} on http://{args.host}:{args.port}: warming up "
+        f"first (compiling {len(engine.prompt_buckets) * len(engine.prefill_rows)} prefill and "
+        f"{len(engine.verify_buckets)} verify shapes); /health answers 503 'starting' until "
+        "ready",
+        file=sys.stderr,
+        flush=True,
+    )
+    engine.start(background=True)
+    server.run()
+    return 1 if engine.failure else 0
 
 
 def main(argv=None) -> int:
+    from dspark_jax.cli import run_main
+
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    if args.demo:
-        return demo(args)
-    drafter_dir = _check_paths(args)
-    from dspark_jax.serve.server import create_app, make_server
-
-    engine = build_engine(args, drafter_dir, args.scheduler)
-    app = create_app(engine)
-    print(f"serving {engine.config.model_name} on http://{args.host}:{args.port}", flush=True)
-    make_server(app, args.host, args.port).run()
-    return 0
+    return run_main(demo if args.demo else serve, args)
 
 
 if __name__ == "__main__":

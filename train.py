@@ -58,14 +58,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from dspark_jax.config import ConfigError, load_config, split_config_args
+    from dspark_jax.cli import run_main
 
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        spec, overrides, rest = split_config_args(argv)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_main(_main, sys.argv[1:] if argv is None else argv)
+
+
+def _main(argv) -> int:
+    from dspark_jax.config import load_config, split_config_args
+
+    spec, overrides, rest = split_config_args(argv)
     parser = _parser()
     args = parser.parse_args(rest)
     if spec is None:
@@ -78,27 +79,23 @@ def main(argv=None) -> int:
     from dspark_jax.train import aot
     from dspark_jax.train import distributed as dist
 
-    try:
-        if args.aot:
-            # Must precede the first JAX computation: the fake devices are created then.
-            aot.configure_devices(args.aot_devices)
-        else:
-            dist.initialize(args.coordinator, args.num_processes, args.process_id, args.distributed)
-        # Import the trainer first: it registers the task/precision choices the loader checks.
-        from dspark_jax.train.trainer import train
+    if args.aot:
+        # Must precede the first JAX computation: the fake devices are created then.
+        aot.configure_devices(args.aot_devices)
+    else:
+        dist.initialize(args.coordinator, args.num_processes, args.process_id, args.distributed)
+    # Import the trainer first: it registers the task/precision choices the loader checks.
+    from dspark_jax.train.trainer import train
 
-        cfg = load_config(spec, overrides)
-        if args.aot:
-            report = aot.run_cli(cfg, args)
-            print(aot.format_report(report))
-            if args.aot_out:
-                with open(args.aot_out, "w") as f:
-                    json.dump(report, f, indent=2)
-            return 0
-        summary = train(cfg, args.workdir, progress=not args.no_progress)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(spec, overrides)
+    if args.aot:
+        report = aot.run_cli(cfg, args)
+        print(aot.format_report(report))
+        if args.aot_out:
+            with open(args.aot_out, "w") as f:
+                json.dump(report, f, indent=2)
+        return 0
+    summary = train(cfg, args.workdir, progress=not args.no_progress)
     print(json.dumps(summary, default=str))
     return 0
 

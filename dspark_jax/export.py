@@ -102,15 +102,12 @@ def main(argv=None) -> int:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     args = p.parse_args(argv)
-    from dspark_jax.config import ConfigError
+    from dspark_jax.cli import run_main
 
-    try:
-        report = export(args.workdir, args.out, args.step, args.dtype)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(report, indent=2))
-    return 0
+    def cli(args):
+        print(json.dumps(export(args.workdir, args.out, args.step, args.dtype), indent=2))
+
+    return run_main(cli, args)
 
 
 if __name__ == "__main__":

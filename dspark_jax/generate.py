@@ -9,15 +9,22 @@
   it there is no speculation (every round verifies only the anchor: plain decoding through
   the same engine).
 * ``--prompts``: JSONL, one object per line with ``turns`` (a list of strings); ``turns[0]``
-  is tokenised as-is (no chat template: the bundled models are base code models, so a code
-  prompt is simply continued).
+  is rendered for a base code model by ``--prompt-style`` (the same rendering as
+  ``python -m dspark_jax.eval``; default ``auto``: a fenced code block is extracted, a
+  code instruction becomes a docstring + ``def``, anything else a comment; ``raw`` passes
+  the turn through unchanged).
 * Output: one JSON line per sample: ``prompt_index``, ``sample_index``, ``tokens`` (generated
   ids), ``text``, ``finish_reason`` (``eos`` | ``length``), ``rounds``,
   ``accepted_per_round`` (accepted draft tokens per round; τ of a round is that + 1),
   ``verified_per_round``. A summary (τ = mean accepted + 1 per round, tokens/s after
   compilation) is printed.
-* ``prefix`` / ``topk`` profile ``SPS(B)`` on this machine with the decoder's own compiled
-  rounds, cached in ``sps_cache.json`` next to ``--out`` (``--sps-cache`` to change).
+* ``--scheduler`` defaults to ``fixed`` (every draft verified: the accepted length of the
+  drafter alone, as offline evaluation measures it); ``serve.py`` defaults to ``topk``, the
+  load-aware production scheduler. ``prefix`` / ``topk`` profile ``SPS(B)`` on this machine
+  with the decoder's own compiled rounds, cached in the per-user cache
+  (``~/.cache/dspark_jax/sps.json``, shared with ``serve.py``; ``--sps-cache`` to change).
+* Slots: ``min(--slots, prompts × samples)``, so a short run does not verify rows of
+  empty slots.
 
 Errors (missing directory, drafter trained for another target, prompt longer than the
 cache, ...) print one line naming the problem and exit with status 2.
@@ -38,6 +45,7 @@ __all__ = ["main", "parse_args", "read_prompts", "run"]
 
 def parse_args(argv=None) -> argparse.Namespace:
     from dspark_jax.decode.step import SCHEDULER_MODES
+    from dspark_jax.eval.prompts import PROMPT_STYLES
 
     p = argparse.ArgumentParser(
         prog="python -m dspark_jax.generate", description=__doc__.split("\n")[0]
@@ -54,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--scheduler",
         choices=SCHEDULER_MODES,
         default=None,
-        help="verification policy (default: fixed with a drafter, none without)",
+        help="verification policy (default: fixed with a drafter, i.e. every draft verified, "
+        "as offline evaluation measures acceptance; none without; serve.py defaults to topk)",
     )
     p.add_argument(
         "--gamma",
@@ -62,40 +71,35 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="'fixed' arm: drafts verified per slot (<= the drafter's γ; default all)",
     )
-    p.add_argument("--slots", type=int, default=8, help="concurrent request slots R")
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=8,
+        help="concurrent request slots R (capped at the number of requests)",
+    )
+    p.add_argument(
+        "--prompt-style",
+        default="auto",
+        choices=PROMPT_STYLES,
+        help="how first turns are rendered for a base code model (as in dspark_jax.eval)",
+    )
     p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threshold", type=float, default=0.5, help="'threshold' arm cut-off")
     p.add_argument("--max-len", type=int, default=None, help="cache length per slot")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--sps-cache", default=None, help="SPS JSON cache (default: next to --out)")
+    p.add_argument(
+        "--sps-cache", default=None, help="SPS JSON cache (default: ~/.cache/dspark_jax/sps.json)"
+    )
     return p.parse_args(argv)
 
 
-def read_prompts(path: str, limit: int | None = None) -> list[str]:
-    """``turns[0]`` of every JSONL line (blank lines skipped)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"Prompt file {path} does not exist")
-    prompts = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
-            turns = obj.get("turns") if isinstance(obj, dict) else None
-            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
-                raise ValueError(
-                    f"{path}:{lineno}: expected an object with a 'turns' list of strings"
-                )
-            prompts.append(turns[0])
-            if limit is not None and len(prompts) >= limit:
-                break
-    if not prompts:
-        raise ValueError(f"Prompt file {path} holds no prompts")
-    return prompts
+def read_prompts(path: str, limit: int | None = None, style: str = "auto") -> list[str]:
+    """``turns[0]`` of every JSONL line (blank lines skipped), rendered by ``style``
+    (``dspark_jax.eval.prompts.format_prompt``; ``raw`` = unchanged)."""
+    from dspark_jax.eval.prompts import load_prompts
+
+    return [p.formatted for p in load_prompts(path, limit, style)]
 
 
 def _check_args(args) -> None:
@@ -149,7 +153,7 @@ def run(args: argparse.Namespace) -> dict:
         if not 0 <= args.gamma <= g:
             raise ValueError(f"--gamma {args.gamma} must be in [0, {g}] (the drafter's γ)")
 
-    texts = read_prompts(args.prompts, args.limit)
+    texts = read_prompts(args.prompts, args.limit, args.prompt_style)
     ids = [tok.encode(t) for t in texts]
     for i, p in enumerate(ids):
         if not p:
@@ -160,8 +164,10 @@ def run(args: argparse.Namespace) -> dict:
                 f"of {max_len} positions (--max-len; prompt + 1 generated token must fit)"
             )
 
+    # No more slots than requests: every slot's rows are verified each round, filled or not.
+    num_slots = min(args.slots, len(ids) * args.num_samples)
     config = StepConfig(
-        num_slots=args.slots,
+        num_slots=num_slots,
         max_len=max_len,
         scheduler=scheduler,
         sampling=args.temperature > 0,
@@ -172,13 +178,11 @@ def run(args: argparse.Namespace) -> dict:
     decoder = SpeculativeDecoder(target, tparams, drafter, dparams, config)
     runner = Runner(decoder, seed=args.seed)
     if scheduler in ("prefix", "topk"):
-        cache_path = args.sps_cache or os.path.join(
-            os.path.dirname(os.path.abspath(args.out)), "sps_cache.json"
-        )
+        cache_path = args.sps_cache or sps_lib.default_cache_path()
         key = sps_lib.cache_key(
             os.path.abspath(args.target),
             os.path.abspath(args.drafter),
-            f"R={args.slots}",
+            f"R={num_slots}",
             f"M={max_len}",
             scheduler,
             f"sampling={config.sampling}",
@@ -230,25 +234,22 @@ def run(args: argparse.Namespace) -> dict:
         "tokens_per_second": stats.tokens_per_second,
         "wall_seconds": stats.wall_seconds,
         "scheduler": scheduler,
+        "slots": num_slots,
         "mean_budget": stats.mean_budget,
     }
     print(
         f"{summary['samples']} samples, {summary['generated_tokens']} tokens in "
         f"{summary['wall_seconds']:.2f}s: tau={summary['tau']:.3f} "
         f"tokens/s={summary['tokens_per_second']:.1f} (scheduler={scheduler}, "
-        f"mean verify budget {summary['mean_budget']:.1f}) -> {args.out}"
+        f"slots={num_slots}, mean verify budget {summary['mean_budget']:.1f}) -> {args.out}"
     )
     return summary
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        run(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    from dspark_jax.cli import run_main
+
+    return run_main(run, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def test_markov_factors_split_over_fsdp():
 
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_drafter_remat_same_loss_and_grads(remat):
-    """drafter.remat wraps each draft layer in nn.remat: identical loss and gradients."""
+    """drafter.remat wraps each draft layer in nn.remat: the same loss and gradients."""
     tgt = get_preset("tiny")
     dc = DrafterConfig(kind="dspark", gamma=4, num_layers=2, mask_token_id=1, markov_rank=8)
     embed = jax.random.normal(jax.random.PRNGKey(0), (tgt.vocab_size, tgt.hidden_size))
@@ -147,7 +147,10 @@ def test_drafter_remat_same_loss_and_grads(remat):
 
     fn = jax.jit(jax.value_and_grad(loss), static_argnums=1)
     (l0, g0), (l1, g1) = fn(params, "none"), fn(params, remat)
-    assert float(l0) == float(l1)
+    # Remat recomputes the layer inside the backward pass, where XLA may fuse and reorder
+    # the fp32 reductions differently: equal up to reassociation (~1e-7 relative seen with
+    # jax 0.10.2), so compare at 1e-6 relative rather than bit for bit.
+    np.testing.assert_allclose(float(l0), float(l1), rtol=1e-6)
     assert jax.tree.structure(g0) == jax.tree.structure(g1)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), g0, g1)
     jaxpr = str(jax.make_jaxpr(jax.grad(loss), static_argnums=1)(params, remat))

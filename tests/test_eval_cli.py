@@ -161,6 +161,10 @@ def cli_run(workspace, tmp_path_factory):
             str(root / "gsm8k.jsonl"),
             "--split-fraction",
             "0.5",
+            "--out",
+            str(dspark / "sts.json"),
+            "--min-fit-rounds",
+            "0",  # a tiny run: a handful of rounds
         ]
     )
     results = out_dir / "results.json"
@@ -334,3 +338,25 @@ def test_cli_errors(workspace, cli_run, tmp_path, capsys):
         ]
     )
     assert rc == 2 and "no confidence head" in capsys.readouterr().err
+
+
+def test_cli_calibrate_never_replaces_a_file_silently(cli_run, workspace, capsys):
+    """An existing --out (here the drafter's sts.json) is refused before any decoding."""
+    path = cli_run["dspark"] / "sts.json"
+    before = path.read_bytes()
+    argv = ["calibrate", "--target", str(workspace["target"]), "--drafter"]
+    argv += [str(cli_run["dspark"]), "--prompts", str(workspace["root"] / "gsm8k.jsonl")]
+    assert main(argv + ["--out", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "already exists; pass --overwrite" in err and "Traceback" not in err
+    # A directory means its sts.json; the label arrays beside it are guarded too.
+    assert main(argv + ["--out", str(cli_run["dspark"])]) == 2
+    assert path.read_bytes() == before
+
+
+def test_calibrate_refuses_too_few_rounds():
+    from dspark_jax.eval.__main__ import MIN_FIT_ROUNDS, check_fit_rounds
+
+    check_fit_rounds(MIN_FIT_ROUNDS, MIN_FIT_ROUNDS)
+    with pytest.raises(ValueError, match="only 31 decode rounds.*nothing was written"):
+        check_fit_rounds(31, MIN_FIT_ROUNDS)

@@ -13,7 +13,7 @@ import pytest
 from dspark_jax.convert import save_hf
 from dspark_jax.data.tokenizer_train import train_bpe_tokenizer
 from dspark_jax.decode.autoregressive import generate as ar_generate
-from dspark_jax.generate import main
+from dspark_jax.generate import main, read_prompts
 from dspark_jax.models.drafter_io import load_drafter, save_drafter
 from dspark_jax.models.drafters import DrafterConfig, init_drafter_params, make_drafter
 from dspark_jax.models.presets import PRESETS
@@ -83,6 +83,8 @@ def test_greedy_cli_matches_autoregressive(model_dirs, capsys):
             "2",
             "--max-len",
             "64",
+            "--prompt-style",
+            "raw",
         ]
     )
     assert rc == 0
@@ -103,8 +105,10 @@ def test_greedy_cli_matches_autoregressive(model_dirs, capsys):
         )
 
 
-def test_prefix_sampling_cli_profiles_sps_and_reuses_cache(model_dirs):
+def test_prefix_sampling_cli_profiles_sps_and_reuses_cache(model_dirs, monkeypatch):
+    """SPS is profiled into the per-user cache ($XDG_CACHE_HOME), not beside --out."""
     d = model_dirs
+    monkeypatch.setenv("XDG_CACHE_HOME", str(d["root"] / "xdg"))
     out = str(d["root"] / "prefix.jsonl")
     args = [
         "--target",
@@ -148,13 +152,15 @@ def test_prefix_sampling_cli_profiles_sps_and_reuses_cache(model_dirs):
         assert len(x["tokens"]) <= 6 and x["finish_reason"] in ("eos", "length")
         if x["finish_reason"] == "length":
             assert len(x["tokens"]) == 6
-    cache = json.load(open(d["root"] / "sps_cache.json"))
+    assert not (d["root"] / "sps_cache.json").exists()
+    cache = json.load(open(d["root"] / "xdg" / "dspark_jax" / "sps.json"))
     assert len(cache) == 1
     (entry,) = cache.values()
     assert len(entry["buckets"]) >= 2 and all(s > 0 for s in entry["sps"])
 
 
-def test_no_drafter_runs_plain_decoding(model_dirs):
+def test_no_drafter_runs_plain_decoding(model_dirs, capsys):
+    """Also: more --slots than prompts verifies only as many slots as there are requests."""
     d = model_dirs
     out = str(d["root"] / "plain.jsonl")
     assert (
@@ -169,15 +175,25 @@ def test_no_drafter_runs_plain_decoding(model_dirs):
                 "--max-new-tokens",
                 "5",
                 "--slots",
-                "3",
+                "8",
                 "--max-len",
                 "64",
             ]
         )
         == 0
     )
+    assert "slots=3," in capsys.readouterr().out  # 3 prompts, 8 slots asked for
     lines = _read(out)
     assert all(set(x["accepted_per_round"]) <= {0} for x in lines)
+
+
+def test_prompt_style_is_shared_with_eval(tmp_path):
+    """generate renders first turns like eval: a fenced block is extracted unless raw."""
+    f = tmp_path / "he.jsonl"
+    turn = "Complete this:\n```python\ndef f(x):\n    return x\n```\n"
+    f.write_text(json.dumps({"turns": [turn]}) + "\n")
+    assert read_prompts(str(f)) == ["def f(x):\n    return x\n"]
+    assert read_prompts(str(f), style="raw") == [turn]
 
 
 def test_cli_errors_name_the_problem(model_dirs, tmp_path, capsys):
@@ -208,8 +224,8 @@ def test_cli_errors_name_the_problem(model_dirs, tmp_path, capsys):
         ["--target", d["target"], "--drafter", d["drafter"], "--gamma", "9"] + base
     )
     bad_prompts = tmp_path / "p.jsonl"
-    bad_prompts.write_text('{"prompt": "x"}\n')
-    msg = err(["--target", d["target"], "--prompts", str(bad_prompts), "--out", "x.jsonl"])
+    bad_prompts.write_text('{"text": "x"}\n')
+    msg = err(["--target", d["target"], "--prompts", str(bad_prompts)] + base[2:])
     assert "turns" in msg and ":1" in msg
 
 

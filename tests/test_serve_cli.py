@@ -1,33 +1,142 @@
-"""serve.py's command-line checks (the server itself is covered by test_server.py)."""
+"""serve.py's command-line checks (the server itself is covered by test_server.py).
 
+User errors print one ``error: ...`` line naming the problem and exit with status 2, with
+no traceback (the convention of every entry point, ``dspark_jax.cli``).
+"""
+
+import json
 import pathlib
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import linen as nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import serve  # noqa: E402
 
-
-def test_missing_target_dir_is_named():
-    with pytest.raises(SystemExit, match="target model directory /nonexistent/target not found"):
-        serve.main(["--target", "/nonexistent/target"])
+BUNDLED_TARGET = serve.DEFAULT_TARGET
+BUNDLED_DRAFTER = serve.DEFAULT_DRAFTER
 
 
-def test_missing_drafter_dir_is_named():
-    target = str(pathlib.Path(serve.__file__).parent / "assets" / "target")
-    with pytest.raises(SystemExit, match="drafter directory /nonexistent/drafter not found"):
-        serve.main(["--target", target, "--drafter", "/nonexistent/drafter"])
+def _run(argv, capsys):
+    rc = serve.main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return rc, err
 
 
-def test_demo_prompts_fall_back_without_shared(capsys):
-    prompts = serve.humaneval_prompts("/nonexistent/humaneval.jsonl", 3)
+def test_missing_target_dir_is_named(capsys):
+    rc, err = _run(["--target", "/nonexistent/target"], capsys)
+    assert rc == 2
+    assert "error: --target /nonexistent/target: no such directory" in err
+    assert f"the bundled one is {BUNDLED_TARGET}" in err
+
+
+def test_missing_drafter_dir_is_named(capsys):
+    rc, err = _run(["--drafter", "/nonexistent/drafter"], capsys)
+    assert rc == 2
+    assert "error: --drafter /nonexistent/drafter: no such directory" in err
+    assert "--drafter none" in err
+
+
+def test_drafter_dir_given_as_target_is_recognised(capsys):
+    rc, err = _run(["--target", BUNDLED_DRAFTER], capsys)
+    assert rc == 2
+    assert "looks like a drafter directory" in err and "pass it as --drafter" in err
+
+
+def test_target_dir_given_as_drafter_is_recognised(capsys):
+    rc, err = _run(["--drafter", BUNDLED_TARGET, "--demo"], capsys)
+    assert rc == 2
+    assert "looks like a Hugging Face model directory" in err and "--target" in err
+
+
+def test_drafter_for_another_target_is_an_error_line(tmp_path, capsys):
+    """A target the bundled drafter was not trained for: one line, status 2."""
+    from dspark_jax.convert import save_hf
+    from dspark_jax.models.presets import PRESETS
+    from dspark_jax.models.qwen3 import Qwen3
+
+    cfg = PRESETS["tiny"]
+    params = Qwen3(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    save_hf(str(tmp_path), cfg, nn.unbox(params), dtype="float32")
+    (tmp_path / "tokenizer.json").write_text(
+        (pathlib.Path(BUNDLED_TARGET) / "tokenizer.json").read_text()
+    )
+    rc, err = _run(["--target", str(tmp_path), "--demo", "--demo-prompts", "1"], capsys)
+    assert rc == 2
+    assert err.count("error: ") == 1 and "was trained for a different target" in err
+
+
+def test_demo_prompts_fall_back_to_built_in():
+    prompts, source = serve.demo_prompts(None, 3)
     assert prompts == serve.FALLBACK_PROMPTS[:3]
-    assert "using built-in code prompts" in capsys.readouterr().err
+    assert source == "3 built-in code prompts"
 
 
-@pytest.mark.parametrize("flag", ["--slots", "--max-queue", "--prefill-batch"])
+def test_demo_prompts_file_is_rendered_like_eval(tmp_path):
+    f = tmp_path / "he.jsonl"
+    f.write_text(json.dumps({"turns": ["Do it:\n```python\ndef f():\n    pass\n```"]}) + "\n")
+    assert serve.find_demo_prompts(str(f)) == str(f)
+    prompts, source = serve.demo_prompts(str(f), 4)
+    assert prompts == ["def f():\n    pass\n"] and str(f) in source
+    with pytest.raises(FileNotFoundError, match="--demo-prompts-file /nope.jsonl: no such file"):
+        serve.find_demo_prompts("/nope.jsonl")
+
+
+@pytest.mark.parametrize(
+    "flag", ["--slots", "--max-queue", "--prefill-batch", "--demo-prompts", "--demo-tokens"]
+)
 def test_non_positive_sizes_are_named(flag, capsys):
     with pytest.raises(SystemExit):
         serve.parse_args([flag, "0"])
     assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_demo_defaults_to_one_slot():
+    assert serve.parse_args(["--demo"]).slots == 1
+    assert serve.parse_args([]).slots == 8
+
+
+def test_serve_reports_warmup_then_exits_0_on_sigterm(tmp_path):
+    """`python serve.py`: warm-up progress on stderr, /health 503 "starting" then 200, and
+    a SIGTERM drain exits with status 0 (not 143)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    cmd = [sys.executable, serve.__file__, "--drafter", "none", "--slots", "1"]
+    cmd += ["--max-len", "32", "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    statuses = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+            except httpx.TransportError:
+                time.sleep(0.2)
+                continue
+            statuses.append(r.json()["status"])
+            if r.status_code == 200:
+                break
+            time.sleep(0.05)
+        assert statuses and statuses[-1] == "ok", statuses
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "warm-up: compiling prefill 1 of" in err and "warm-up: compiling verify round" in err
+    assert "/health answers 503 'starting' until ready" in err

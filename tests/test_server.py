@@ -212,3 +212,41 @@ def test_drain_then_503(served):
     assert first.status_code == 200 and first.json()["choices"][0]["text"] == want[PROMPTS[2]][0]
     assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
     assert health.status_code == 503
+
+
+def test_health_says_starting_while_warming_up(tmp_path):
+    """The port answers during warm-up: /health 503 "starting" with the warm-up step,
+    completions 503; then 200 "ok" once warm. Warm-up is held on an event so the test
+    sees the starting state for certain."""
+    import threading
+
+    tok = train_bpe_tokenizer(TEXTS, vocab_size=300, out_path=tmp_path)
+    target, tp, _, _ = tiny_random_models(tok, None, max_len=MAX_LEN)
+    cfg = EngineConfig(num_slots=2, max_len=MAX_LEN, scheduler="none")
+    engine = Engine(target, tp, tok, config=cfg)
+    release, original = threading.Event(), engine.warmup
+
+    def held_warmup():
+        engine._progress("compiling prefill", 1, 9)
+        assert release.wait(60)
+        original()
+
+    engine.warmup = held_warmup
+    server = BackgroundServer(create_app(engine)).start()
+    try:
+        engine.start(background=True)
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            h = c.get("/health")
+            assert h.status_code == 503 and h.json()["status"] == "starting"
+            assert h.json()["warmup"]["phase"] == "compiling prefill"
+            r = c.post("/v1/completions", json={"prompt": "def f", "max_tokens": 2})
+            assert r.status_code == 503 and "warming up" in r.json()["error"]["message"]
+            release.set()
+            assert engine.wait_ready(120)
+            h = c.get("/health")
+            assert h.status_code == 200 and h.json()["status"] == "ok"
+            r = c.post("/v1/completions", json={"prompt": "def f", "max_tokens": 2})
+            assert r.status_code == 200
+    finally:
+        release.set()
+        server.stop()

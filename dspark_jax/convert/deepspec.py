@@ -657,9 +657,10 @@ def main(argv: list[str] | None = None) -> int:
         help="do not compare the drafter's frozen embedding / LM head with the target's",
     )
     args = parser.parse_args(argv)
+    from dspark_jax.cli import run_main
     from dspark_jax.models.drafter_io import save_drafter
 
-    try:
+    def cli():
         target = read_hf_config(args.target)
         cfg, params = load_deepspec_drafter(
             args.drafter,
@@ -668,16 +669,15 @@ def main(argv: list[str] | None = None) -> int:
             target_dir=None if args.skip_target_check else args.target,
         )
         written = save_drafter(args.out, cfg, target, params, dtype=args.dtype)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    n = sum(int(np.prod(v.shape)) for v in _flatten(params).values())
-    print(
-        f"converted {cfg.kind} drafter (gamma={cfg.gamma}, layers={cfg.resolved_num_layers}, "
-        f"taps={list(cfg.taps)}, head={cfg.resolved_head}, rank={cfg.head_rank}, "
-        f"confidence={cfg.has_confidence}, {n / 1e6:.1f}M params) -> {', '.join(written)}"
-    )
-    return 0
+        n = sum(int(np.prod(v.shape)) for v in _flatten(params).values())
+        print(
+            f"converted {cfg.kind} drafter (gamma={cfg.gamma}, layers="
+            f"{cfg.resolved_num_layers}, taps={list(cfg.taps)}, head={cfg.resolved_head}, "
+            f"rank={cfg.head_rank}, confidence={cfg.has_confidence}, {n / 1e6:.1f}M params) "
+            f"-> {', '.join(written)}"
+        )
+
+    return run_main(cli)
 
 
 if __name__ == "__main__":

@@ -449,6 +449,12 @@ def read_hf_config(path: str | os.PathLike) -> Qwen3Config:
         raise FileNotFoundError(f"Hugging Face model directory {path} does not exist")
     config_path = os.path.join(path, CONFIG_NAME)
     if not os.path.isfile(config_path):
+        if os.path.isfile(os.path.join(path, "drafter_config.json")):
+            raise FileNotFoundError(
+                f"{path} looks like a dspark_jax drafter directory (it has drafter_config.json, "
+                f"no {CONFIG_NAME}): pass it as the drafter (--drafter), and a Hugging Face "
+                "Qwen3 directory as the target"
+            )
         raise FileNotFoundError(f"No {CONFIG_NAME} in {path} (looked for {config_path})")
     with open(config_path) as fh:
         try:

@@ -639,6 +639,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    from dspark_jax.cli import run_main
+
     args = parse_args(argv)
     settings = DistillSettings(
         prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
@@ -646,7 +648,8 @@ def main(argv=None) -> int:
         batch_size=args.batch_size, temperature=args.temperature, seed=args.seed,
         chunk_batches=args.chunk_batches,
     )  # fmt: skip
-    try:
+
+    def cli():
         settings.validate()
         model, params, tokenizer = load_target(args.target)
         # TFDS prints to stdout; keep stdout for the JSON summary.
@@ -657,11 +660,9 @@ def main(argv=None) -> int:
                 progress=not args.no_progress, overwrite=args.overwrite,
                 keep_work=args.keep_work,
             )  # fmt: skip
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary, indent=2))
-    return 0
+        print(json.dumps(summary, indent=2))
+
+    return run_main(cli)
 
 
 if __name__ == "__main__":

@@ -44,22 +44,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    from dspark_jax.cli import run_main
+
+    return run_main(run, parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Build the corpus (and tokenizer); prints and returns the JSON report."""
     t0 = time.perf_counter()
-    try:
-        # TFDS prints its progress to stdout; keep stdout for the JSON report.
-        with contextlib.redirect_stdout(sys.stderr):
-            counts = prepare_corpus(
-                args.kind,
-                args.source,
-                args.data_dir,
-                heldout_percent=args.heldout_percent,
-                overwrite=args.overwrite,
-                progress=args.progress,
-            )
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    # TFDS prints its progress to stdout; keep stdout for the JSON report.
+    with contextlib.redirect_stdout(sys.stderr):
+        counts = prepare_corpus(
+            args.kind,
+            args.source,
+            args.data_dir,
+            heldout_percent=args.heldout_percent,
+            overwrite=args.overwrite,
+            progress=args.progress,
+        )
     ds_dir = find_dataset_dir(args.data_dir, args.kind)
     meta = read_metadata(ds_dir)
     report = {
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
             "chars_per_token": round(n_chars / max(n_tokens, 1), 3),
         }
     print(json.dumps(report, indent=2))
-    return 0
+    return report
 
 
 if __name__ == "__main__":

@@ -82,16 +82,19 @@ def profile_decoder_sps(
     key: str | None = None,
     repeats: int = 5,
     warmup: int = 1,
+    progress=None,
 ) -> sps_lib.SPSTable:
     """Profile ``SPS(B)`` with the decoder's own compiled rounds (``B = R + K`` per bucket),
-    through the JSON cache when ``cache_path`` is given, and install it in the decoder."""
+    through the JSON cache when ``cache_path`` is given, and install it in the decoder.
+    ``progress(budget, i, n)``: see ``sps.profile_sps``."""
     fns = decoder.profile_step_fns(budgets)
+    kw = dict(repeats=repeats, warmup=warmup, progress=progress)
     if cache_path is None:
-        table = sps_lib.profile_sps(fns, repeats=repeats, warmup=warmup)
+        table = sps_lib.profile_sps(fns, **kw)
     else:
         if key is None:
             raise ValueError("profile_decoder_sps: a cache_path needs a cache key")
-        table = sps_lib.load_or_profile(cache_path, key, fns, repeats=repeats, warmup=warmup)
+        table = sps_lib.load_or_profile(cache_path, key, fns, **kw)
     decoder.set_sps_table(table)
     return table
 

@@ -9,6 +9,22 @@ from pathlib import Path
 
 import numpy as np
 
+# 20 ECE bins need ~10 rounds each before a bin's accuracy means anything.
+MIN_FIT_ROUNDS = 200
+# Warn when a perfectly calibrated head would itself show this mean ECE on the reporting
+# rounds: differences below it are sampling noise.
+NOISY_FLOOR = 0.015
+
+
+def check_fit_rounds(n_rounds: int, minimum: int) -> None:
+    """A fit from too few rounds is refused: its temperatures are mostly noise."""
+    if n_rounds < minimum:
+        raise ValueError(
+            f"only {n_rounds} decode rounds to fit on (at least {minimum} needed with "
+            "--min-fit-rounds): use more prompts (--limit, more --prompts files) or more "
+            "--max-new-tokens; nothing was written"
+        )
+
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="Hugging Face Qwen3 directory (target)")
@@ -65,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.add_argument("--out", required=True, help="results JSON (a .rounds.npz is written beside)")
 
-    c = sub.add_parser("calibrate", help="fit STS temperatures; writes <drafter>/sts.json")
+    c = sub.add_parser("calibrate", help="fit STS temperatures; writes --out (an sts.json)")
     _add_common(c)
     c.add_argument("--drafter", required=True, metavar="DIR")
     c.add_argument("--temperature", type=float, default=0.0)
@@ -75,7 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.5,
         help="first fraction of each prompt file fits, the rest reports",
     )
-    c.add_argument("--bins", type=int, default=20, help="ECE bins (DESIGN §5.3: 20)")
+    c.add_argument("--bins", type=int, default=20, help="ECE bins (the paper's 20)")
+    c.add_argument(
+        "--out",
+        default=None,
+        help="STS file to write (default: sts_<drafter name>.json in the current directory); "
+        "serving reads <drafter>/sts.json, so pass --out <drafter>/sts.json --overwrite to "
+        "replace a drafter's calibration. Label arrays go beside it (<stem>_data.npz)",
+    )
+    c.add_argument(
+        "--overwrite", action="store_true", help="replace --out (and its arrays) if it exists"
+    )
+    c.add_argument(
+        "--min-fit-rounds",
+        type=int,
+        default=MIN_FIT_ROUNDS,
+        help=f"refuse to write a fit from fewer decode rounds (default {MIN_FIT_ROUNDS}; "
+        "0 accepts any)",
+    )
     c.add_argument(
         "--mode",
         choices=("temperature", "affine"),
@@ -158,6 +191,13 @@ def cmd_calibrate(args) -> int:
         raise ValueError(f"--temperature must be finite and >= 0, got {args.temperature}")
     if args.bins < 2:
         raise ValueError(f"--bins must be >= 2, got {args.bins}")
+    if args.min_fit_rounds < 0:
+        raise ValueError(f"--min-fit-rounds must be >= 0, got {args.min_fit_rounds}")
+    out = Path(args.out or f"sts_{Path(args.drafter).name or 'drafter'}.json")
+    if out.is_dir():
+        out = cal.sts_path(out)
+    if not args.overwrite:
+        cal.check_new_file(out)  # before decoding: fail fast, not after the expensive part
     sets = _load_sets(args)
     fit_prompts, held_prompts = [], []
     for ps in sets.values():
@@ -195,6 +235,7 @@ def cmd_calibrate(args) -> int:
     n_fit = len(fit_prompts)
     fit = rec.subset(range(n_fit))
     held = rec.subset(range(n_fit, len(prompts))) if held_prompts else None
+    check_fit_rounds(int(fit.accepted.size), args.min_fit_rounds)
     res = cal.fit_sts(fit.logits, fit.accepted, fit.verified, n_bins=args.bins, mode=args.mode)
     # Positions beyond --gamma were never verified: they keep T = 1, b = 0.
     res = res.padded(spec.draft_len)
@@ -258,7 +299,13 @@ def cmd_calibrate(args) -> int:
             heldout_prompt_index=held.prompt_index,
         )
     path = cal.save_sts(
-        args.drafter, res, heldout=held_report, fit_report=fit_report, data=data, arrays=arrays
+        out,
+        res,
+        heldout=held_report,
+        fit_report=fit_report,
+        data=data,
+        arrays=arrays,
+        overwrite=args.overwrite,
     )
 
     def pct(x):
@@ -289,7 +336,20 @@ def cmd_calibrate(args) -> int:
             "alone cannot calibrate these (e.g. logits near 0 with acceptance far from 1/2); "
             "try --mode affine"
         )
+    rep = held_report or fit_report
+    floors = [r["ece_floor_after"] for r in rep or () if r["ece_floor_after"] is not None]
+    floors = [f for f in floors if math.isfinite(f)]
+    if floors and np.mean(floors) > NOISY_FLOOR:
+        split = "held-out" if held_report else "fit"
+        n = held.accepted.size if held_report else fit.accepted.size
+        print(
+            f"warning: {n} {split} rounds are few: a perfectly calibrated head would show a "
+            f"mean ECE of {100 * np.mean(floors):.1f}% on them (the floor column), so ECE "
+            "differences below that are noise; use more prompts"
+        )
     print(f"wrote {path}")
+    if path.resolve() != cal.sts_path(args.drafter).resolve():
+        print(f"serving reads {cal.sts_path(args.drafter)}; copy the file there to use it")
     return 0
 
 
@@ -310,14 +370,11 @@ def cmd_plot(args) -> int:
 
 
 def main(argv=None) -> int:
+    from dspark_jax.cli import run_main
+
     args = build_parser().parse_args(argv)
-    try:
-        return {"acceptance": cmd_acceptance, "calibrate": cmd_calibrate, "plot": cmd_plot}[
-            args.command
-        ](args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    commands = {"acceptance": cmd_acceptance, "calibrate": cmd_calibrate, "plot": cmd_plot}
+    return run_main(commands[args.command], args)
 
 
 if __name__ == "__main__":

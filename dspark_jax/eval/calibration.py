@@ -51,7 +51,6 @@ import numpy as np
 from dspark_jax.eval import metrics
 
 STS_FILENAME = "sts.json"
-STS_DATA_FILENAME = "sts_data.npz"
 # Coarse grid of the 1-D search (DESIGN §5.3 leaves the grid open): log-spaced 0.05 … 20.
 COARSE_GRID = np.geomspace(0.05, 20.0, 121)
 FINE_POINTS = 41
@@ -292,27 +291,50 @@ def calibration_report(logits, accepted, verified=None, temperatures=None, n_bin
 
 
 def sts_path(drafter_dir: str | os.PathLike) -> Path:
+    """Where the decoder and the engine read a drafter's calibration."""
     return Path(drafter_dir) / STS_FILENAME
 
 
+def check_new_file(path: str | os.PathLike) -> None:
+    """Refuse to replace an STS file (or its label arrays) silently."""
+    for p in (Path(path), sts_data_path(path)):
+        if p.exists():
+            raise FileExistsError(
+                f"{p} already exists; pass --overwrite to replace it, or choose another --out"
+            )
+
+
+def sts_data_path(path: str | os.PathLike) -> Path:
+    """The label arrays beside an STS file: ``sts.json`` -> ``sts_data.npz``."""
+    path = Path(path)
+    return path.with_name(path.stem + "_data.npz")
+
+
 def save_sts(
-    drafter_dir: str | os.PathLike,
+    path: str | os.PathLike,
     result: STSResult,
     *,
     heldout: list[dict] | None = None,
     fit_report: list[dict] | None = None,
     data: dict[str, Any] | None = None,
     arrays: dict[str, np.ndarray] | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write ``<drafter_dir>/sts.json`` (and ``sts_data.npz`` with ``arrays`` if given).
+    """Write the STS file ``path`` (a ``.json`` file, or a directory: ``<dir>/sts.json``,
+    where the decoder and engine look for it) and, with ``arrays``, the labels beside it
+    (``<stem>_data.npz``). An existing file is replaced only with ``overwrite``.
 
     ``heldout``: per-position before/after metrics on the reporting split;
     ``fit_report``: AUROC etc. on the fit split; ``data``: a description of the prompts
     and decode settings the labels came from.
     """
-    d = Path(drafter_dir)
-    if not d.is_dir():
-        raise FileNotFoundError(f"drafter directory {d} does not exist")
+    path = Path(path)
+    if path.is_dir():
+        path = sts_path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {path}: directory {path.parent} does not exist")
+    if not overwrite:
+        check_new_file(path)
     payload: dict[str, Any] = {
         "format": "dspark_jax.sts/1",
         "gamma": len(result.temperatures),
@@ -325,9 +347,8 @@ def save_sts(
         "data": data or {},
     }
     if arrays:
-        np.savez_compressed(d / STS_DATA_FILENAME, **arrays)
-        payload["data"]["arrays_file"] = STS_DATA_FILENAME
-    path = sts_path(d)
+        np.savez_compressed(sts_data_path(path), **arrays)
+        payload["data"]["arrays_file"] = sts_data_path(path).name
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(to_jsonable(payload), indent=2) + "\n")
     os.replace(tmp, path)  # atomic: a reader never sees half a file
@@ -398,7 +419,9 @@ __all__ = [
     "load_sts",
     "logits_from_confidence",
     "logits_from_survival",
+    "check_new_file",
     "save_sts",
+    "sts_data_path",
     "sts_path",
     "survival_from_logits",
     "to_jsonable",

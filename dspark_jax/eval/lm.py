@@ -79,15 +79,15 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--num-batches", type=int, default=16)
     args = parser.parse_args(argv)
-    try:
+    from dspark_jax.cli import run_main
+
+    def cli(args):
         result = heldout_loss(
             args.target, args.data_dir, args.seq_len, args.batch_size, args.num_batches
         )
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(result, indent=2))
-    return 0
+        print(json.dumps(result, indent=2))
+
+    return run_main(cli, args)
 
 
 if __name__ == "__main__":

@@ -114,6 +114,12 @@ def load_drafter(path: str | os.PathLike, target_config: Qwen3Config):
         raise FileNotFoundError(f"Drafter directory {path} does not exist")
     config_path = os.path.join(path, CONFIG_NAME)
     weights_path = os.path.join(path, WEIGHTS_NAME)
+    if not os.path.isfile(config_path) and os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(
+            f"{path} looks like a Hugging Face model directory (it has config.json, no "
+            f"{CONFIG_NAME}): pass it as the target (--target); a drafter directory is "
+            "written by train.py / dspark_jax.export"
+        )
     for p in (config_path, weights_path):
         if not os.path.isfile(p):
             raise FileNotFoundError(f"Drafter directory {path} has no {os.path.basename(p)}")

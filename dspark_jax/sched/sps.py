@@ -90,19 +90,26 @@ class SPSTable:
 
 
 def profile_sps(
-    step_fn_by_budget: Mapping[int, Callable[[], Any]], repeats: int = 5, warmup: int = 1
+    step_fn_by_budget: Mapping[int, Callable[[], Any]],
+    repeats: int = 5,
+    warmup: int = 1,
+    progress: Callable[[int, int, int], None] | None = None,
 ) -> SPSTable:
     """Time each ``step_fn_by_budget[B]()`` and return the SPS table.
 
     Each callable runs one verify step of size ``B`` (already compiled, or compiled during
     warm-up) and returns its outputs; the timer stops after ``jax.block_until_ready``.
+    ``progress(budget, i, n)`` is called before the i-th of n buckets (1-based).
     """
     if not step_fn_by_budget:
         raise ValueError("step_fn_by_budget is empty: give one callable per verify bucket B")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0; got {repeats}, {warmup}")
     seconds = {}
-    for b, fn in sorted(step_fn_by_budget.items()):
+    items = sorted(step_fn_by_budget.items())
+    for i, (b, fn) in enumerate(items, 1):
+        if progress is not None:
+            progress(int(b), i, len(items))
         if not callable(fn):
             raise ValueError(f"step_fn_by_budget[{b}] is not callable: {fn!r}")
         for _ in range(warmup):
@@ -114,6 +121,13 @@ def profile_sps(
             times.append(time.perf_counter() - t0)
         seconds[int(b)] = max(statistics.median(times), 1e-9)
     return SPSTable.from_seconds(seconds)
+
+
+def default_cache_path() -> str:
+    """The per-user SPS cache file: ``$XDG_CACHE_HOME/dspark_jax/sps.json`` (default
+    ``~/.cache``). Entries are keyed by model, shapes, device kind and JAX version."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "dspark_jax", "sps.json")
 
 
 def cache_key(*parts: Any) -> str:
@@ -150,6 +164,7 @@ def load_or_profile(
     step_fn_by_budget: Mapping[int, Callable[[], Any]],
     repeats: int = 5,
     warmup: int = 1,
+    progress: Callable[[int, int, int], None] | None = None,
 ) -> SPSTable:
     """Return the cached table for ``key`` if it covers the same buckets (no step function
     is called then), else a fresh ``profile_sps`` result written back (atomically) under ``key``.
@@ -160,7 +175,7 @@ def load_or_profile(
         table = SPSTable.from_json(data[key])
         if list(table.buckets) == buckets:
             return table
-    table = profile_sps(step_fn_by_budget, repeats=repeats, warmup=warmup)
+    table = profile_sps(step_fn_by_budget, repeats=repeats, warmup=warmup, progress=progress)
     data[key] = table.to_json()
     directory = os.path.dirname(os.path.abspath(cache_path))
     os.makedirs(directory, exist_ok=True)

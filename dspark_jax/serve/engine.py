@@ -406,6 +406,8 @@ class Engine:
         self._accepting = False
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._warm_thread: threading.Thread | None = None
+        self.warmup_status: dict | None = None  # last warm-up progress (phase, step, of)
         self._baseline: int | None = None
         self.failure: str | None = None
         self._last_ready = 0.0
@@ -496,6 +498,7 @@ class Engine:
             cache_path=cfg.sps_cache,
             key=key,
             repeats=cfg.sps_repeats,
+            progress=lambda b, i, n: self._progress("profiling SPS", i, n, f"B = {r + b}"),
         )
         self._sps_dense = np.asarray(self.decoder.sps_table)
 
@@ -513,24 +516,39 @@ class Engine:
         state, out = dec.round(state, budget)
         return state, out, budget
 
+    def _progress(self, phase: str, done: int, total: int, detail: str = "") -> None:
+        """Warm-up progress: logged (serve.py prints it on stderr) and kept for /health."""
+        self.warmup_status = {"phase": phase, "step": done, "of": total, "detail": detail}
+        log.info("warm-up: %s %d of %d%s", phase, done, total, f" ({detail})" if detail else "")
+
     def warmup(self) -> None:
         """Compile every prefill bucket and every verify bucket; profile SPS if needed."""
         if self.scheduler in ("topk", "prefix"):
             self._profile_sps()
         state = self.decoder.init_state(self.config.seed)
+        r = self.config.num_slots
+        n_prefill = len(self.prompt_buckets) * len(self.prefill_rows)
         # Twice: fresh (uncommitted) arrays and round outputs must hit the same executables.
-        for _ in range(2):
+        # The first pass compiles (progress is reported for it); the second only checks.
+        for rep in range(2):
+            shown = rep == 0
+            i = 0
             for t in self.prompt_buckets:
                 ids = [1] * min(t, self.max_prompt_tokens)
                 for b in self.prefill_rows:
+                    i += 1
+                    if shown:
+                        self._progress("compiling prefill", i, n_prefill, f"{b} x {t} tokens")
                     state, _ = self._prefill_many(state, [(s, ids, 2, 0, 0, 1) for s in range(b)])
             state = self._fill_all_slots(state)
-            if self.two_phase:
-                plan = self.decoder.plan(state)
-                for k in self.verify_buckets:
+            plan = self.decoder.plan(state) if self.two_phase else None
+            for i, k in enumerate(self.verify_buckets, 1):
+                if shown:
+                    n = len(self.verify_buckets)
+                    self._progress("compiling verify round", i, n, f"B = {r + k}")
+                if self.two_phase:
                     state, _ = self.decoder.commit(state, plan, k)
-            else:
-                for k in self.verify_buckets:
+                else:
                     state, _ = self.decoder.round(state, k)
             state = self.decoder.release(state, 0)
             state = state._replace(rng=jax.random.key(self.config.seed))
@@ -540,9 +558,22 @@ class Engine:
         self._baseline = self._cache_entries()
 
     # -- lifecycle -----------------------------------------------------------------------
-    def start(self) -> Engine:
-        if self._thread is not None:
+    def start(self, background: bool = False) -> Engine:
+        """Warm up, then run the loop thread. ``background``: return at once and warm up
+        in a thread (``starting`` is True meanwhile; ``submit`` raises ``EngineClosed``;
+        a warm-up error sets ``failure``) so a server can answer /health while compiling."""
+        if self._thread is not None or self._warm_thread is not None:
             raise RuntimeError("engine already started")
+        if not background:
+            self._warm_then_run()
+            return self
+        self._warm_thread = threading.Thread(
+            target=self._warm_in_background, name="dspark-warmup", daemon=True
+        )
+        self._warm_thread.start()
+        return self
+
+    def _warm_then_run(self) -> None:
         t0 = time.perf_counter()
         self.warmup()
         log.info(
@@ -552,10 +583,35 @@ class Engine:
             self.verify_buckets,
             time.perf_counter() - t0,
         )
-        self._accepting = True
-        self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
-        self._thread.start()
-        return self
+        with self._lock:
+            if self._stop:  # shut down while warming up: never start serving
+                return
+            self._accepting = True
+            self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
+            self._thread.start()
+
+    def _warm_in_background(self) -> None:
+        try:
+            self._warm_then_run()
+        except Exception as e:
+            log.exception("engine warm-up failed")
+            self.failure = f"warm-up failed: {type(e).__name__}: {e}"
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until a background warm-up has ended; True if the engine is serving."""
+        if self._warm_thread is not None:
+            self._warm_thread.join(timeout)
+        return self.running
+
+    @property
+    def starting(self) -> bool:
+        """Warming up in the background (compiling buckets, profiling SPS)."""
+        return (
+            self._warm_thread is not None
+            and self._warm_thread.is_alive()
+            and self._thread is None
+            and self.failure is None
+        )
 
     @property
     def running(self) -> bool:
@@ -622,6 +678,11 @@ class Engine:
         ids = self.encode_prompt(prompt)
         handle = RequestHandle(f"cmpl-{next(self._ids)}", ids, params, loop)
         with self._lock:
+            if self.starting:
+                raise EngineClosed(
+                    "the engine is still warming up (compiling its shapes); retry when "
+                    "/health reports ok"
+                )
             if not self._accepting or self.failure is not None:
                 raise EngineClosed(
                     "the engine is shutting down" if self.failure is None else self.failure

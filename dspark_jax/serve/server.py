@@ -3,6 +3,11 @@
 Endpoints: ``POST /v1/completions`` (JSON or SSE streaming), ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (Prometheus text).
 
+``/health`` is 200 ``{"status": "ok"}`` when serving, and 503 with ``"starting"`` (plus
+the warm-up step, e.g. ``compiling verify round 3 of 8``) while an engine started with
+``start(background=True)`` compiles, ``"shutting_down"`` while draining, ``"failed"``
+after an engine error, so orchestration can tell "up but warming" from "down".
+
 Errors use the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``: 400 for
 invalid input (the field is named in ``param``), 404 for an unknown model, 429 when the
 admission queue is full, 503 while shutting down. Request bodies are parsed by hand (not
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import socket
 import threading
 import time
@@ -179,6 +185,10 @@ def create_app(
     async def health():
         if engine.failure is not None:
             return JSONResponse({"status": "failed", "error": engine.failure}, status_code=503)
+        if engine.starting:  # up but still compiling: 503 so load balancers wait
+            return JSONResponse(
+                {"status": "starting", "warmup": engine.warmup_status}, status_code=503
+            )
         if not engine.accepting:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
         return {
@@ -331,6 +341,10 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self.engine.begin_drain()
         super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:
+            # uvicorn re-raises captured signals after its shutdown, so a drained server
+            # would exit 143. A SIGTERM drain is the normal way to stop: exit 0.
+            self._captured_signals = [s for s in self._captured_signals if s != sig]
 
 
 def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, **kw) -> DrainingServer:
