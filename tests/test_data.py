@@ -135,7 +135,8 @@ def test_empty_and_mismatched_corpus_errors(corpus, tmp_path):
         make_text_dataset(tmp_path / "nothing", TRAIN)
 
 
-def test_jsonl_prompt_corpus(tmp_path):
+def test_jsonl_prompt_corpus(tmp_path, capfd):
+    """Also: a local build says so, not TFDS's "Downloading and preparing dataset"."""
     src = tmp_path / "prompts"
     src.mkdir()
     rows = [{"turns": [f"Question {i}: what is {i} + {i}?", "and then?"]} for i in range(30)]
@@ -144,6 +145,8 @@ def test_jsonl_prompt_corpus(tmp_path):
     (src / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     (src / "b.jsonl").write_text(json.dumps({"turns": ["Only one in b"]}) + "\n")
     counts = prepare_corpus("jsonl", src, tmp_path / "data")
+    out, err = capfd.readouterr()
+    assert "Downloading" not in out + err and "from local files into" in err
     assert sum(counts.values()) == 31
     recs = _all_records(tmp_path / "data", TRAIN) + _all_records(tmp_path / "data", HELDOUT)
     by_path = {r["path"]: r for r in recs}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -365,6 +366,7 @@ def test_kill_and_resume_replays_the_same_losses(env, tmp_path):
     out = subprocess.run(_cli(spec, work, *extra), cwd=REPO, env=env_vars, check=True,
                          capture_output=True)  # fmt: skip
     assert '"resumed": true' in out.stdout.decode()
+    assert re.search(rf"resumed from step \d+ of {steps} \(checkpoint in ", out.stderr.decode())
     resumed = _losses(work)
     assert sorted(resumed) == list(range(1, steps + 1))
     for s in range(1, steps + 1):

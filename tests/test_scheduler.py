@@ -148,6 +148,22 @@ def test_choose_budget_picks_sensible_buckets():
         choose_budget(sure, flat, [4, 2])
 
 
+def test_host_budget_equals_the_jitted_search():
+    """choose_budget (NumPy, on the host) picks the same bucket as budget_index (jit) on
+    random survivals, active masks and SPS tables, including the all-inactive case."""
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        r, gamma = int(rng.integers(1, 9)), int(rng.integers(1, 8))
+        a = np.cumprod(rng.uniform(0.2, 1.0, (r, gamma)), axis=1).astype(np.float32)
+        active = rng.random(r) < (0.0 if trial == 0 else 0.8)
+        n = r * (gamma + 1) + 1
+        table = np.sort(rng.uniform(0.1, 1.0, n))[::-1].astype(np.float32)
+        full = r * gamma
+        buckets = tuple(sorted({0, full, *rng.integers(0, full + 1, 3).tolist()}))
+        want = buckets[int(budget_index(a, table, buckets, active))]
+        assert choose_budget(a, table, buckets, active) == want, (trial, r, gamma)
+
+
 # ---------------------------------------------------------------------------------------
 # Policies
 

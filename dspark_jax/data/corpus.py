@@ -20,6 +20,7 @@ import hashlib
 import inspect
 import json
 import os
+import sys
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,6 +90,14 @@ class _LocalBuilder(tfds.core.GeneratorBasedBuilder):
     @classmethod
     def code_path(cls) -> epath.Path:
         return epath.Path(inspect.getfile(cls))
+
+    # TFDS announces every build as "Downloading and preparing dataset ..." on stdout;
+    # these builders read local files only, so say that (on stderr, beside the progress).
+    def _log_download_bytes(self) -> None:
+        print(f"building {self.name} from local files into {self.data_dir}", file=sys.stderr)
+
+    def _log_download_done(self) -> None:
+        print(f"built {self.name} in {self.data_dir}", file=sys.stderr)
 
 
 class SourceTreeCorpus(_LocalBuilder):

@@ -61,7 +61,8 @@ def expected_throughput(a, sps_table, active=None) -> jax.Array:
 
 @partial(jax.jit, static_argnames="buckets")
 def budget_index(a_old, sps_table, buckets: tuple[int, ...], active=None) -> jax.Array:
-    """Jit-able core of ``choose_budget``: int32 index into ``buckets``."""
+    """On-device twin of ``choose_budget``: int32 index into ``buckets`` (for jitted
+    callers; the serving host uses the NumPy ``choose_budget``, which never waits)."""
     theta = expected_throughput(a_old, sps_table, active)
     buckets_arr = jnp.asarray(buckets, jnp.int32)
     theta = jnp.where(jnp.arange(theta.shape[0]) <= buckets[-1], theta, -jnp.inf)
@@ -70,10 +71,15 @@ def budget_index(a_old, sps_table, buckets: tuple[int, ...], active=None) -> jax
 
 
 def choose_budget(a_old, sps_table, buckets: Sequence[int], active=None) -> int:
-    """Pick the compiled budget ``K`` for the next round from old survivals (host call).
+    """Pick the compiled budget ``K`` for the next round from old survivals, in NumPy.
+
+    This runs on the host while the device executes the round in flight, so it must not
+    touch the device: a jitted call (``budget_index``) would be queued behind that round
+    and the host would wait for it (DESIGN §9). Same result as ``budget_index``: only the
+    *sorted values* of the running-min survivals enter ``Θ``, so no tie-breaking is needed.
 
     Args:
-      a_old: float ``[R, γ]`` survival probabilities from an earlier round.
+      a_old: float ``[R, γ]`` survival probabilities from an earlier round (host arrays).
       sps_table: ``SPS(B)`` indexed by ``B``, length ``>= R·(γ+1)+1``.
       buckets: strictly increasing compiled budgets (draft tokens per round).
       active: optional bool ``[R]``.
@@ -82,7 +88,28 @@ def choose_budget(a_old, sps_table, buckets: Sequence[int], active=None) -> int:
       The smallest bucket ``>= argmax_k Θ(k)`` (the largest bucket if none is).
     """
     b = _check_buckets(buckets)
-    return b[int(budget_index(a_old, sps_table, b, active))]
+    a = np.asarray(a_old, np.float32)
+    if a.ndim != 2:
+        raise ValueError(f"survival probabilities a must be [R, γ]; got shape {a.shape}")
+    r, gamma = a.shape
+    act = np.ones(r, bool) if active is None else np.asarray(active, bool)
+    if act.shape != (r,):
+        raise ValueError(f"active must be [R] = [{r}]; got shape {act.shape}")
+    table = np.asarray(sps_table, np.float32)
+    if table.ndim != 1 or table.shape[0] < r * (gamma + 1) + 1:
+        raise ValueError(
+            f"sps_table must be 1-D with length >= R·(γ+1)+1 = {r * (gamma + 1) + 1}; got "
+            f"shape {table.shape}"
+        )
+    n_active = int(act.sum())
+    # Running minimum along j makes the admitted set a per-slot prefix (as candidate_order).
+    cands = np.maximum(np.minimum.accumulate(a[act], axis=1).reshape(-1), 0.0)
+    sorted_a = -np.sort(-cands)
+    k_max = min(n_active * gamma, b[-1])  # candidates that exist and fit the largest bucket
+    tau = n_active + np.concatenate([[0.0], np.cumsum(sorted_a, dtype=np.float32)])[: k_max + 1]
+    theta = tau * table[n_active : n_active + k_max + 1]
+    k_star = int(np.argmax(theta))  # first maximum: the smallest best budget
+    return b[min(int(np.searchsorted(b, k_star, side="left")), len(b) - 1)]
 
 
 @partial(jax.jit, static_argnames="k")

@@ -363,6 +363,12 @@ def train(
             # Data position from every host's file: resuming on another host count works.
             dist.restore_host_iterator(ckpt.directory, start, data_it)
             resumed = True
+            if is_main:
+                print(
+                    f"resumed from step {start} of {tc.steps} (checkpoint in {ckpt.directory})",
+                    file=sys.stderr,
+                    flush=True,
+                )
         else:
             start, resumed = 0, False
             state = spec.init(jax.random.PRNGKey(tc.seed))
