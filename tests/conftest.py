@@ -1,6 +1,14 @@
-"""Test set-up: 8 fake CPU devices, set before JAX is imported anywhere."""
+"""Test set-up: 8 fake CPU devices, set before JAX is imported anywhere.
+
+Compiled executables go to a persistent compilation cache in a fresh directory for this
+session, so the many tests that build the same tiny models and engines (and their
+subprocesses, which inherit the variables) compile each program once. This changes no
+behaviour under test: jit's in-memory caches, which the compile-count tests read, are
+per process and untouched; only XLA's compile time is saved.
+"""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -8,3 +16,6 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Keep fp32 matmuls exact enough for parity tests.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="dspark_jax_xla_"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")

@@ -12,6 +12,7 @@ import pytest
 
 from dspark_jax.data.tokenizer_train import train_bpe_tokenizer
 from dspark_jax.decode.autoregressive import generate
+from dspark_jax.decode.runner import default_buckets
 from dspark_jax.serve.engine import (
     Delta,
     Engine,
@@ -231,10 +232,15 @@ def test_fixed_length_verifies_gamma_per_occupied_slot(setup):
     output equal to autoregressive greedy, no compilation after warm-up."""
     tok, target, tp, _ = setup
     drafter_models = tiny_random_models(tok, "dspark", gamma=3, max_len=MAX_LEN)
-    cfg = EngineConfig(num_slots=SLOTS, max_len=MAX_LEN, scheduler="fixed", max_queue=8)
+    # Three of the default buckets (1, 3, 4, 6, 7, 9, 10, 12), so that one slot (K = γ = 3),
+    # two (6) and all four (12) each have their own and compilation stays short.
+    cfg = EngineConfig(
+        num_slots=SLOTS, max_len=MAX_LEN, scheduler="fixed", max_queue=8, verify_buckets=(3, 6)
+    )
     engine = Engine(target, tp, tok, *drafter_models[2:], cfg).start()
     try:
-        assert engine.verify_buckets == (1, 3, 4, 6, 7, 9, 10, 12)  # default_buckets(4, 3)
+        assert engine.verify_buckets == (3, 6, 12)  # the largest (R·γ) is always added
+        assert tuple(default_buckets(SLOTS, 3)) == (1, 3, 4, 6, 7, 9, 10, 12)
         ids = tok.encode(PROMPTS[0])
         res = _run_all(engine, [PROMPTS[0]], [SamplingParams(max_tokens=10)])[0]
         assert engine.stats.budget_sum == 3 * engine.stats.rounds  # one slot: K = γ = 3
