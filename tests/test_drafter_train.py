@@ -235,11 +235,13 @@ def dspark_run(env, tmp_path_factory):
     return cfg, workdir, summary
 
 
-# The block path (DSpark) and the sequence path (EAGLE-3) run by default; DFlash and MTP-1
-# reuse those code paths and are marked slow to keep the file fast on 2 cores.
+# The block path (DSpark) runs the sharded comparison by default; EAGLE-3's sequence path
+# trains by default on one device (next test) and repeats the comparison in the slow set;
+# DFlash and MTP-1 reuse those code paths and are slow too (2 cores, a 15-minute suite).
 @pytest.mark.parametrize(
     "kind",
-    ["dspark", "eagle3", pytest.param("dflash", marks=pytest.mark.slow),
+    ["dspark", pytest.param("eagle3", marks=pytest.mark.slow),
+     pytest.param("dflash", marks=pytest.mark.slow),
      pytest.param("mtp1", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_trains_with_decreasing_loss_and_sharded_run_matches(env, dspark_run, kind, tmp_path):
@@ -257,6 +259,12 @@ def test_trains_with_decreasing_loss_and_sharded_run_matches(env, dspark_run, ki
     a = np.array([losses1[s] for s in sorted(losses1)])
     b = np.array([losses8[s] for s in sorted(losses8)])
     np.testing.assert_allclose(a, b, rtol=0, atol=2e-3)
+
+
+def test_eagle3_trains_with_decreasing_loss(env, tmp_path):
+    cfg = _cfg(env, "eagle3")
+    summary = train(cfg, str(tmp_path), devices=jax.devices()[:1], progress=False)
+    _check_run(cfg, "eagle3", str(tmp_path), summary)
 
 
 @pytest.mark.slow
