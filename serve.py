@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import time
 
@@ -167,11 +168,16 @@ def demo_prompts(path: str | None, n: int) -> tuple[list[str], str]:
     if path is None:
         return FALLBACK_PROMPTS[:n], f"{min(n, len(FALLBACK_PROMPTS))} built-in code prompts"
     prompts = [p.formatted for p in load_prompts(path, n)]
-    return prompts, f"the first {len(prompts)} prompts of {path}"
+    return prompts, f"the first {len(prompts)} prompts of {os.path.normpath(path)}"
 
 
-def _excerpt(text: str, max_lines: int = 12) -> str:
-    lines = text.splitlines()
+def _readable(text: str, max_lines: int = 12) -> str:
+    """A continuation as a reader can take it in: a run of 4+ newlines (blank lines) shown
+    as one ``[N newlines]`` marker, at most ``max_lines`` lines."""
+    text = re.sub(
+        r"(?:[ \t]*\n){4,}", lambda m: f"\n    [{m.group(0).count(chr(10))} newlines]\n", text
+    )
+    lines = text.strip("\n").split("\n")
     more = len(lines) - max_lines
     return "\n".join(lines[:max_lines]) + (f"\n    [... {more} more lines]" if more > 0 else "")
 
@@ -182,7 +188,13 @@ def demo(args) -> int:
     drafter_dir = _check_paths(args)
     if drafter_dir is None:
         raise ValueError("--demo compares no speculation with DSpark; give a --drafter directory")
-    prompts, source = demo_prompts(find_demo_prompts(args.demo_prompts_file), args.demo_prompts)
+    prompt_file = find_demo_prompts(args.demo_prompts_file)
+    if prompt_file is None:
+        print(
+            f"note: no --demo-prompts-file and no {os.path.normpath(HUMANEVAL)}: using "
+            "built-in code prompts"
+        )
+    prompts, source = demo_prompts(prompt_file, args.demo_prompts)
     print(
         f"demo: {source}, {args.demo_tokens} new tokens each, one request at a time "
         f"({args.slots} slot), target {args.target}, drafter {drafter_dir}",
@@ -192,17 +204,20 @@ def demo(args) -> int:
     # Greedy shows losslessness (identical outputs); T = 1 is the regime the drafters were
     # trained for.
     temps = (0.0, 1.0)
-    rows = {}
+    rows, sps = {}, None
     for label, sched in (("no speculation", "none"), ("DSpark", args.scheduler)):
         print(f"demo: warming up the {label} engine (compiling)", file=sys.stderr)
         engine = build_engine(args, drafter_dir, sched, models).start()
+        sps = engine.sps_table or sps
         for temp in temps:
             t0 = time.perf_counter()
-            results = [  # one request at a time; seeded, so each T = 1 sample is reproducible
-                engine.generate(p, SamplingParams(max_tokens=args.demo_tokens, temperature=temp,
-                                                  seed=i))
-                for i, p in enumerate(prompts)
-            ]  # fmt: skip
+            results = []
+            for i, p in enumerate(prompts):
+                # One request at a time on an idle engine, seeded: each T = 1 sample (and
+                # so τ) is reproducible run to run.
+                engine.wait_idle()
+                params = SamplingParams(max_tokens=args.demo_tokens, temperature=temp, seed=i)
+                results.append(engine.generate(p, params))
             wall = time.perf_counter() - t0
             tokens = sum(r.completion_tokens for r in results)
             rounds = sum(r.rounds for r in results)
@@ -213,8 +228,8 @@ def demo(args) -> int:
         engine.shutdown()
     n_tok = sum(r.completion_tokens for r in rows["DSpark", 0.0][3])
     print(
-        f"\n{len(prompts)} prompts x {args.demo_tokens} new tokens ({n_tok} generated greedy), "
-        "one request at a time, on this machine"
+        f"\n{source} x {args.demo_tokens} new tokens ({n_tok} generated greedy), one request "
+        "at a time, on this machine"
     )
     print(f"\n{'arm':<16}{'scheduler':<11}{'T':>4}{'tau':>7}{'tok/s':>10}{'speedup':>9}")
     for temp in temps:
@@ -242,11 +257,24 @@ def demo(args) -> int:
             "greedy text falls into loops its drafter predicts poorly); at T = 1, the "
             f"regime the drafter was trained for, tau is {rows['DSpark', 1.0][1]:.2f}"
         )
-    print(
-        f"\n--- prompt 1 + greedy continuation (DSpark) ---\n{_excerpt(prompts[0] + greedy[1][0].text)}"
-    )
+    if sps is not None and len(sps.buckets) > 1:
+        lo, hi = sps.buckets[0], sps.buckets[-1]
+        print(
+            f"on this machine a round verifying {hi} tokens costs {sps(lo) / sps(hi):.1f}x one "
+            f"verifying {lo} (the SPS profile); on an accelerator such rounds cost nearly the "
+            "same, which is the regime speculative decoding is built for"
+        )
+    last = "\n".join(prompts[0].rstrip("\n").split("\n")[-6:])
+    print(f"\n--- prompt 1 (its last lines) ---\n{last}")
+    g_text = greedy[1][0].text
+    print(f"--- greedy continuation (DSpark, = no speculation) ---\n{_readable(g_text)}")
+    if len(g_text.split()) < 3:
+        print(
+            "    (this small bundled target's greedy text is mostly blank lines; the sampled "
+            "text below is what it has learnt)"
+        )
     t1 = rows["DSpark", 1.0][3][0].text
-    print(f"\n--- prompt 1 + sampled continuation (DSpark, T = 1) ---\n{_excerpt(prompts[0] + t1)}")
+    print(f"--- sampled continuation (DSpark, T = 1) ---\n{_readable(t1)}")
     return 0 if same == len(prompts) else 1
 
 

@@ -498,7 +498,7 @@ class Engine:
             cache_path=cfg.sps_cache,
             key=key,
             repeats=cfg.sps_repeats,
-            progress=lambda b, i, n: self._progress("profiling SPS", i, n, f"B = {r + b}"),
+            progress=lambda b, i, n: self._progress("profiling SPS", i, n, f"B = {b}"),
         )
         self._sps_dense = np.asarray(self.decoder.sps_table)
 
@@ -707,6 +707,21 @@ class Engine:
     @property
     def active_slots(self) -> int:
         return sum(a is not None for a in self._slots)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, running or in flight (a seeded request admitted now resets the
+        random stream; see the module docstring)."""
+        return not self._waiting and not self._inflight and self.active_slots == 0
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until ``idle`` (True) or ``timeout`` seconds pass (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.idle:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
     # -- loop ----------------------------------------------------------------------------
     def _run(self) -> None:
