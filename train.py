@@ -11,8 +11,10 @@ Multi-host (one process per host, same command everywhere):
 or ``--distributed`` alone on Cloud TPU / Slurm / Open MPI (auto-detected).
 
 Ahead-of-time compile for a topology, nothing allocated (no --workdir needed):
-    python train.py --config configs/drafter_dspark_qwen3_8b.py --aot --aot-devices 64 \
+    python train.py --config configs/drafter_dspark_qwen3_8b.py --aot --aot-topology v5p:4x4x4 \
         --aot-mesh 1,64,1 --aot-device-memory-gb 95 [--aot-serve --slots 64 --max-len 4096]
+(``--aot-topology`` needs ``pip install -e '.[tpu]'``: XLA:TPU itself plans the memory;
+``--aot-devices 64`` instead compiles for 64 fake CPU devices, an estimate.)
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--process-id", type=int, help="this process, 0..N-1 (or JAX_PROCESS_ID)")
     a = parser.add_argument_group("ahead-of-time compilation (memory report, no allocation)")
     a.add_argument("--aot", action="store_true", help="compile the training step and report")
+    a.add_argument(
+        "--aot-topology",
+        help="compile with XLA:TPU for a named TPU topology this host does not have, e.g. "
+        "v5e:2x2, v5p:2x2x1, v5p:4x4x4, v6e:2x2 (needs libtpu: pip install -e '.[tpu]')",
+    )
     a.add_argument(
         "--aot-devices", type=int, help="compile for N fake CPU devices (default: real devices)"
     )
@@ -79,6 +86,10 @@ def _main(argv) -> int:
     from dspark_jax.train import aot
     from dspark_jax.train import distributed as dist
 
+    if args.aot_topology and args.aot_devices:
+        parser.error("give --aot-topology (XLA:TPU) or --aot-devices (fake CPU devices), not both")
+    if args.aot_topology and not args.aot:
+        parser.error("--aot-topology needs --aot or --aot-serve")
     if args.aot:
         # Must precede the first JAX computation: the fake devices are created then.
         aot.configure_devices(args.aot_devices)

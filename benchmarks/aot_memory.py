@@ -1,14 +1,18 @@
 """Per-device memory of the full-size DSpark drafter training step (Qwen3-4B/8B/14B targets)
-and of the serving decode round, from ahead-of-time compilation on fake CPU devices.
+and of the serving decode round, from ahead-of-time compilation.
 
 Every row is one ``python train.py --config ... --aot`` run in its own process (so each can
-choose its device count), with nothing allocated: the numbers are XLA's per-device plan
+choose its devices), with nothing allocated: the numbers are XLA's per-device plan
 (``compiled.memory_analysis()``), see ``dspark_jax/train/aot.py``.
 
     python benchmarks/aot_memory.py [--quick] [--out benchmarks/results/aot_memory]
+    python benchmarks/aot_memory.py --tpu v5p     # XLA:TPU for v5p slices (needs '.[tpu]')
 
-Writes ``<out>.json`` (all reports) and ``<out>.md`` (the table). ``--quick`` runs only the
-8B fsdp-64 row (about a minute).
+Without ``--tpu`` the rows compile for fake CPU devices (an estimate of temp memory); with
+``--tpu CHIP`` each row compiles with XLA:TPU for the slice of that chip family with the
+row's chip count (``TOPOLOGIES``), and the files get the chip's suffix
+(``aot_memory_v5p.json``). Writes ``<out>.json`` (all reports) and ``<out>.md`` (the
+table). ``--quick`` runs only the 8B fsdp-64 row.
 """
 
 from __future__ import annotations
@@ -57,14 +61,21 @@ TRAIN_ROWS = [
     ),  # fmt: skip
 ]
 QUICK = {"8B fsdp64"}
+# The TPU slice of each chip family with a row's chip count (one device per chip).
+TOPOLOGIES = {
+    "v5p": {8: "v5p:2x2x2", 64: "v5p:4x4x4"},
+    "v5e": {8: "v5e:2x4", 64: "v5e:8x8"},
+    "v6e": {8: "v6e:2x4", 64: "v6e:8x8"},
+}
 DEVICE_GB = {"v5p (95 GB)": 95.0, "H200 (141 GB)": 141.0}
 
 
-def run_row(name, config, devices, mesh, extra, timeout) -> dict:
+def run_row(name, config, devices, mesh, extra, timeout, tpu=None) -> dict:
+    where = ["--aot-topology", TOPOLOGIES[tpu][devices]] if tpu else ["--aot-devices", str(devices)]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "report.json")
         cmd = [sys.executable, "train.py", "--config", os.path.join("configs", config), "--aot",
-               "--aot-devices", str(devices), "--aot-mesh", mesh, "--aot-device-memory-gb", "95",
+               *where, "--aot-mesh", mesh, "--aot-device-memory-gb", "95",
                "--aot-out", out, *extra]  # fmt: skip
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
@@ -81,16 +92,23 @@ def _gb(b) -> str:
     return f"{b / 1e9:.2f}"
 
 
-def markdown(reports: list[dict]) -> str:
+def markdown(reports: list[dict], tpu: str | None = None) -> str:
+    if tpu:
+        title = f"# AOT memory per device (XLA:TPU for {tpu} slices, nothing allocated)"
+        command = f"`python benchmarks/aot_memory.py --tpu {tpu}`"
+        temp = "temp is XLA:TPU's own plan for the slice (libtpu compiles on this host)"
+    else:
+        title = "# AOT memory per device (fake CPU devices, nothing allocated)"
+        command = "`python benchmarks/aot_memory.py`"
+        temp = "temp is the CPU compiler's plan (TPU/GPU schedules differ; treat it as an estimate)"
     lines = [
-        "# AOT memory per device (fake CPU devices, nothing allocated)",
+        title,
         "",
-        "Produced by `python benchmarks/aot_memory.py`. DSpark drafter at DeepSpec's released "
+        f"Produced by {command}. DSpark drafter at DeepSpec's released "
         "size (5 layers, Markov rank 256, γ = 7, 32 anchors/sequence), bf16 compute, fp32 "
         "master weights + AdamW moments, frozen target in bf16; global batch 64 sequences × "
         "T tokens. Bytes are per device (GB = 1e9). `peak = arguments + outputs − aliased "
-        "(donated state) + temp`. temp is the CPU compiler's plan (TPU/GPU schedules differ; "
-        "treat it as an estimate); parameter/optimizer/target bytes are exact.",
+        f"(donated state) + temp`. {temp}; parameter/optimizer/target bytes are exact.",
         "",
         "| run | mesh (data,fsdp,tensor) | T | drafter params | opt state | frozen target | "
         "temp | peak | fits v5p 95 GB | fits H200 141 GB | compile s |",
@@ -140,12 +158,20 @@ def main(argv=None) -> int:
     )
     p.add_argument("--timeout", type=int, default=1800, help="seconds per row")
     p.add_argument("--render", action="store_true", help="only rewrite <out>.md from <out>.json")
+    p.add_argument(
+        "--tpu",
+        choices=sorted(TOPOLOGIES),
+        default=None,
+        help="compile with XLA:TPU for slices of this chip (needs pip install -e '.[tpu]')",
+    )
     args = p.parse_args(argv)
+    if args.tpu:
+        args.out = f"{args.out}_{args.tpu}"
     if args.render:
         with open(args.out + ".json") as f:
             reports = json.load(f)
         with open(args.out + ".md", "w") as f:
-            f.write(markdown(reports))
+            f.write(markdown(reports, args.tpu))
         return 0
     rows = [r for r in TRAIN_ROWS if not args.quick or r[0] in QUICK]
     if args.only:
@@ -158,7 +184,7 @@ def main(argv=None) -> int:
     order = {r[0]: i for i, r in enumerate(TRAIN_ROWS)}
     for name, config, devices, mesh, extra, _ in rows:
         print(f"[aot_memory] {name} ...", flush=True)
-        r = run_row(name, config, devices, mesh, extra, args.timeout)
+        r = run_row(name, config, devices, mesh, extra, args.timeout, args.tpu)
         print(
             f"[aot_memory] {name}: peak {r['memory']['peak_bytes'] / 1e9:.2f} GB/device, "
             f"compile {r['compile_s']:.0f}s",
@@ -170,7 +196,7 @@ def main(argv=None) -> int:
         with open(args.out + ".json", "w") as f:
             json.dump(reports, f, indent=2)
         with open(args.out + ".md", "w") as f:
-            f.write(markdown(reports))
+            f.write(markdown(reports, args.tpu))
     return 0
 
 

@@ -287,16 +287,42 @@ def verify_section(vc) -> list[str]:
     )
 
 
-def aot_section() -> list[str]:
-    path = RESULTS / "aot_memory.md"
-    if not path.is_file():
-        return []
+def _included(path, title: str, command: str) -> list[str]:
+    """A generated Markdown result file as a section (its own title demoted)."""
     text = path.read_text().splitlines()
     return (
-        ["## Ahead-of-time memory (4B / 8B / 14B)", "", "    python benchmarks/aot_memory.py", ""]
+        [title, "", f"    {command}", ""]
         + [line.replace("# ", "### ", 1) if line.startswith("# ") else line for line in text]
         + [""]
     )
+
+
+def aot_section() -> list[str]:
+    out = []
+    path = RESULTS / "aot_memory.md"
+    if path.is_file():
+        out += _included(
+            path, "## Ahead-of-time memory (4B / 8B / 14B)", "python benchmarks/aot_memory.py"
+        )
+    for path in sorted(RESULTS.glob("aot_memory_*.md")):
+        chip = path.stem.removeprefix("aot_memory_")
+        out += _included(
+            path,
+            f"## Ahead-of-time memory with XLA:TPU ({chip})",
+            f"python benchmarks/aot_memory.py --tpu {chip}",
+        )
+    return out
+
+
+def roofline_section() -> list[str]:
+    """Every roofline table but the --quick smoke run; each names its own command."""
+    out = []
+    for path in sorted(RESULTS.glob("roofline_*.md")):
+        if path.stem.startswith("roofline_quick"):
+            continue
+        command = json.loads(path.with_suffix(".json").read_text())["command"]
+        out += _included(path, "## Roofline of the decode round (XLA:TPU cost analysis)", command)
+    return out
 
 
 def compile_section(ct) -> list[str]:
@@ -476,6 +502,7 @@ def main() -> None:
     lines += verify_section(_load(RESULTS / "verify_cost.json"))
     lines += compile_section(_load(RESULTS / "compile_time.json"))
     lines += aot_section()
+    lines += roofline_section()
     lines += serving_section()
     (ROOT / "BENCHMARKS.md").write_text("\n".join(lines).rstrip() + "\n")
     print("wrote", ROOT / "BENCHMARKS.md")

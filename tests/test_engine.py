@@ -7,6 +7,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -257,3 +258,52 @@ def test_fixed_length_verifies_gamma_per_occupied_slot(setup):
         assert engine.compilations_after_warmup == 0
     finally:
         engine.shutdown(drain=False, timeout=30)
+
+
+def test_host_never_waits_on_the_round_in_flight(setup):
+    """With a deliberately slow device (each round's output held 0.15 s by a host callback
+    inside the computation), round n+1 is dispatched before round n has finished: the
+    host never waits on the round in flight to choose and launch the next one (top-K picks
+    its budget in NumPy from two-rounds-old survivals). The timeline shows the wait."""
+    from jax.experimental import io_callback
+
+    tok, _, _, engine = setup
+    _wait_idle(engine)
+    dispatched, finished = [], []
+
+    def hold(tokens):
+        time.sleep(0.15)
+        finished.append(time.perf_counter())
+        return tokens
+
+    @jax.jit
+    def slow(out):
+        spec = jax.ShapeDtypeStruct(out.tokens.shape, out.tokens.dtype)
+        return out._replace(tokens=io_callback(hold, spec, out.tokens))
+
+    real = engine.decoder.round
+
+    def slow_round(state, budget):
+        state, out = real(state, budget)
+        out = slow(out)
+        dispatched.append(time.perf_counter())
+        return state, out
+
+    engine.decoder.round = slow_round
+    try:
+        # A first request compiles ``slow`` (its first call runs synchronously); measure the
+        # second.
+        engine.generate(PROMPTS[0], SamplingParams(max_tokens=2), timeout=120)
+        assert engine.wait_idle(30)
+        dispatched.clear()
+        finished.clear()
+        waited = engine.stats.device_wait_seconds
+        res = engine.generate(PROMPTS[1], SamplingParams(max_tokens=10), timeout=120)
+        assert engine.wait_idle(30)  # incl. a round dispatched before the finish was seen
+    finally:
+        del engine.decoder.round  # back to the class attribute's bound method
+    assert res.rounds >= 3 and len(dispatched) == len(finished) >= res.rounds
+    for n in range(len(dispatched) - 1):
+        assert dispatched[n + 1] < finished[n], f"round {n + 1} waited for round {n}"
+    assert engine.stats.device_wait_seconds - waited >= 0.1 * len(finished)
+    assert engine.compilations_after_warmup == 0

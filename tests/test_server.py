@@ -188,6 +188,11 @@ def test_load_with_disconnects_no_leaks_no_recompiles(served):
     assert _metric(m, "dspark_active_slots") == 0
     assert _metric(m, "dspark_queue_depth") == 0
     assert _metric(m, "dspark_compilations_after_warmup") == 0
+    # The round timeline: the engine thread's time by phase, and its host share.
+    for phase in ("dispatch", "device_wait", "host", "idle"):
+        assert _metric(m, f'dspark_engine_seconds\\{{phase="{phase}"\\}}') >= 0
+    assert _metric(m, 'dspark_engine_seconds\\{phase="device_wait"\\}') > 0
+    assert 0 < _metric(m, "dspark_host_share") < 1
     assert _metric(m, "dspark_rounds_total") > 0
     assert "dspark_round_seconds_bucket" in m and "dspark_verify_budget_bucket" in m
 

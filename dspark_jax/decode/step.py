@@ -188,12 +188,15 @@ class SpeculativeDecoder:
         g = self.gamma
         self.table_len = config.num_slots * (g + 1) + 1
         self._sps = None
-        temps = jnp.ones((g,), jnp.float32) if sts_temperatures is None else sts_temperatures
-        self.sts_temperatures = jnp.asarray(temps, jnp.float32)
+        # Host (NumPy) arrays: nothing concrete may be created on the device here, so the
+        # same constructor serves ahead-of-time compilation for a TPU topology the host
+        # does not have (jit places them as constants of the executables).
+        temps = np.ones((g,), np.float32) if sts_temperatures is None else sts_temperatures
+        self.sts_temperatures = np.asarray(temps, np.float32)
         if self.sts_temperatures.shape != (g,):
             raise ValueError(f"STS temperatures must have shape [{g}], got {temps!r}")
-        biases = jnp.zeros((g,), jnp.float32) if sts_biases is None else sts_biases
-        self.sts_biases = jnp.asarray(biases, jnp.float32)
+        biases = np.zeros((g,), np.float32) if sts_biases is None else sts_biases
+        self.sts_biases = np.asarray(biases, np.float32)
         if self.sts_biases.shape != (g,):
             raise ValueError(f"STS biases must have shape [{g}], got {biases!r}")
         # Parameters (and the SPS table) are passed as arguments, not closed over, so they
@@ -203,7 +206,7 @@ class SpeculativeDecoder:
         self._plan = jax.jit(self._plan_impl, static_argnums=(2,))
         self._commit = jax.jit(self._commit_impl, static_argnums=(3,), donate_argnums=(1,))
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
-        self._params = (target_params, drafter_params, jnp.zeros((self.table_len,), jnp.float32))
+        self._params = (target_params, drafter_params, np.zeros((self.table_len,), np.float32))
         if sps_table is not None:
             self.set_sps_table(sps_table)
 

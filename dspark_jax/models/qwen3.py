@@ -67,6 +67,10 @@ class Qwen3Config:
     param_dtype: str = "float32"
     # Gradient checkpointing of each decoder layer (training memory; see REMAT_POLICIES).
     remat: str = "none"
+    # False: the layer scan is fully unrolled in the compiled program (same stacked
+    # parameters). XLA's cost analysis counts a while-loop body once, so flop and byte
+    # figures (benchmarks/roofline.py) need this; it costs compile time, nothing else.
+    scan_layers: bool = True
     # Special token ids (informational; the tokenizer is the source of truth).
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -636,6 +640,7 @@ class _ScannedLayers(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast),
             length=n,
+            unroll=1 if cfg.scan_layers else n,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
         layer_cache = None if cache is None else (cache.k, cache.v)

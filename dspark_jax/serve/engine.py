@@ -317,6 +317,29 @@ class EngineStats:
     last_round_seconds: float = 0.0
     last_budget: int = 0
     last_tau: float = 0.0
+    # The engine thread's time, by what it was doing (the round timeline): dispatching
+    # work to the device (prefill and rounds, incl. choosing the budget), waiting for a
+    # round's output, host processing of outputs (detokenising, stop strings, delivery),
+    # and idle (no request anywhere). Host share = (dispatch + host) / busy time.
+    dispatch_seconds: float = 0.0
+    device_wait_seconds: float = 0.0
+    host_seconds: float = 0.0
+    idle_seconds: float = 0.0
+
+    @property
+    def host_share(self) -> float:
+        """Share of the engine thread's busy time spent on the host (not waiting)."""
+        busy = self.dispatch_seconds + self.device_wait_seconds + self.host_seconds
+        return (self.dispatch_seconds + self.host_seconds) / busy if busy else 0.0
+
+    def timeline(self) -> dict[str, float]:
+        return {
+            "dispatch_seconds": self.dispatch_seconds,
+            "device_wait_seconds": self.device_wait_seconds,
+            "host_seconds": self.host_seconds,
+            "idle_seconds": self.idle_seconds,
+            "host_share": self.host_share,
+        }
 
     @property
     def mean_tau(self) -> float:
@@ -755,6 +778,7 @@ class Engine:
         while True:
             admitted = []
             with self._lock:
+                t_idle = time.perf_counter()
                 while (
                     not self._stop
                     and not self._waiting
@@ -762,6 +786,7 @@ class Engine:
                     and self.active_slots == 0
                 ):
                     self._wake.wait()
+                self.stats.idle_seconds += time.perf_counter() - t_idle
                 if self._abort_all:
                     break
                 # Cancelled requests still waiting never touch the device.
@@ -792,6 +817,7 @@ class Engine:
             if p.seed is not None and not self._inflight and self.active_slots == 0:
                 self._state = self._state._replace(rng=jax.random.key(p.seed))
         group = max(self.prefill_rows)
+        t0 = time.perf_counter()
         for start in range(0, len(admitted), group):
             chunk = admitted[start : start + group]
             rows = [
@@ -813,12 +839,14 @@ class Engine:
             t_dispatch = time.perf_counter()
             self._state, out, budget = self._dispatch_round(self._state)
             self._inflight.append(("round", out, owners, budget, t_dispatch))
+            self.stats.dispatch_seconds += time.perf_counter() - t0
             # Process everything older than the round just dispatched (overlaps with it).
             while len(self._inflight) > 1:
-                self._process(self._inflight.popleft())
+                self._process_oldest()
         else:
+            self.stats.dispatch_seconds += time.perf_counter() - t0
             while self._inflight:
-                self._process(self._inflight.popleft())
+                self._process_oldest()
 
     def _next_budget(self) -> int:
         if self.scheduler in ("fixed", "threshold"):
@@ -836,9 +864,24 @@ class Engine:
             return self.verify_buckets[0]
         return topk_sched.choose_budget(survival, self._sps_dense, self.verify_buckets, active)
 
+    def _process_oldest(self) -> None:
+        # Popped only once processed, so ``idle`` never reads True while an output is
+        # still being fetched.
+        self._process(self._inflight[0])
+        self._inflight.popleft()
+
     def _process(self, item) -> None:
-        kind, out, owners, budget, t_dispatch = item
-        out = jax.device_get(out)
+        t_wait = time.perf_counter()
+        out = jax.device_get(item[1])  # the only place the engine waits on the device
+        t_host = time.perf_counter()
+        self.stats.device_wait_seconds += t_host - t_wait
+        try:
+            self._process_output(item, out)
+        finally:
+            self.stats.host_seconds += time.perf_counter() - t_host
+
+    def _process_output(self, item, out) -> None:
+        kind, _, owners, budget, t_dispatch = item
         if kind == "prefill":
             for s, entry in enumerate(owners):
                 if entry is None or entry[0].done:

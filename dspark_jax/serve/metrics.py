@@ -68,6 +68,18 @@ class EngineMetrics:
             registry=r,
         )
         self.engine_up = Gauge("dspark_engine_up", "1 while the engine loop runs", registry=r)
+        self.engine_seconds = Gauge(
+            "dspark_engine_seconds",
+            "Engine thread time since start by phase: dispatch (to the device), device_wait "
+            "(for a round's output), host (processing outputs), idle",
+            ["phase"],
+            registry=r,
+        )
+        self.host_share = Gauge(
+            "dspark_host_share",
+            "Share of the engine thread's busy time spent on the host, not waiting on the device",
+            registry=r,
+        )
         if engine is not None:
             self.attach(engine)
 
@@ -76,6 +88,11 @@ class EngineMetrics:
         self.active_slots.set_function(lambda: engine.active_slots)
         self.compilations.set_function(lambda: engine.compilations_after_warmup)
         self.engine_up.set_function(lambda: 1.0 if engine.running else 0.0)
+        for phase in ("dispatch", "device_wait", "host", "idle"):
+            self.engine_seconds.labels(phase).set_function(
+                lambda p=phase: getattr(engine.stats, f"{p}_seconds")
+            )
+        self.host_share.set_function(lambda: engine.stats.host_share)
 
     # -- engine listener hooks (engine thread) ---------------------------------------------
     def on_round(self, seconds: float, budget: int, taus, verified: int) -> None:

@@ -11,10 +11,21 @@ gives the *per-device* sizes XLA planned:
   gradients and other scratch live during the step;
 * ``peak ≈ argument + output − alias + temp`` (+ generated code): what must fit in HBM.
 
-Fake devices: ``configure_devices(N)`` (``--aot-devices N``) makes the CPU backend expose N
-devices before JAX starts, so a 64-chip mesh compiles on a laptop. The CPU compiler's
-fusion/scheduling differs from TPU/GPU, so ``temp`` is an estimate (typically within tens
-of percent); parameter/optimizer/argument bytes are exact since they follow the shardings.
+Two compilers:
+
+* **XLA:TPU for a named topology** (``--aot-topology v5p:2x2x1``): with ``libtpu`` installed
+  (``pip install -e '.[tpu]'``, the version ``jax[tpu]`` pins), ``topology_devices(name)``
+  gives the devices of a TPU slice this host does not have, through
+  ``jax.experimental.topologies``; the mesh is built on them and XLA:TPU compiles and plans
+  memory exactly as on the pod. Nothing concrete may be created on such a mesh, so the code
+  paths here build abstract values only (``ShapeDtypeStruct``, ``jax.eval_shape``).
+* **XLA:CPU with fake devices** (the fallback): ``configure_devices(N)``
+  (``--aot-devices N``) makes the CPU backend expose N devices before JAX starts, so a
+  64-chip mesh compiles on a laptop. The CPU compiler's fusion/scheduling differs from
+  TPU/GPU, so ``temp`` is an estimate (typically within tens of percent);
+  parameter/optimizer/argument bytes are exact since they follow the shardings.
+
+Every report says which compiler produced it (``compiler``, ``topology``).
 """
 
 from __future__ import annotations
@@ -55,6 +66,59 @@ def configure_devices(num_devices: int | None) -> None:
         )
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", int(num_devices))
+
+
+# Chip families libtpu compiles for, and an example topology name of each.
+TPU_TOPOLOGY_EXAMPLES = ("v5e:2x2", "v5p:2x2x1", "v5p:4x4x4", "v6e:2x2")
+
+
+def libtpu_version() -> str | None:
+    """The installed libtpu's version, or None when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("libtpu")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def topology_devices(name: str) -> list:
+    """The devices of TPU topology ``name`` (e.g. ``v5p:2x2x1``), for compiling on a host
+    without TPUs. Raises a user error naming what is missing or wrong."""
+    if libtpu_version() is None:
+        raise ValueError(
+            f"--aot-topology {name} needs libtpu, the TPU compiler: pip install -e '.[tpu]' "
+            "(the version jax[tpu] pins for this jax); without it use --aot-devices N "
+            "(fake CPU devices, an estimate)"
+        )
+    from jax.experimental import topologies
+
+    if ":" not in name:
+        raise ValueError(
+            f"--aot-topology {name!r}: expected CHIP:SHAPE such as "
+            f"{', '.join(TPU_TOPOLOGY_EXAMPLES)}"
+        )
+    try:
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=name)
+    except Exception as e:  # libtpu's own message names the bad chip or shape
+        raise ValueError(
+            f"--aot-topology {name!r} is not a TPU topology libtpu knows "
+            f"(e.g. {', '.join(TPU_TOPOLOGY_EXAMPLES)}): {e}"
+        ) from None
+    return list(topo.devices)
+
+
+def compiler_info(mesh) -> dict[str, Any]:
+    """Which compiler a mesh's executables come from (recorded in every report)."""
+    dev = mesh.devices.flat[0]
+    platform = getattr(dev, "platform", "cpu")
+    info: dict[str, Any] = {"compiler": f"XLA:{platform.upper()}", "jax": jax.__version__}
+    if platform == "tpu":
+        info["libtpu"] = libtpu_version()
+        info["device_kind"] = getattr(dev, "device_kind", None)
+    else:
+        info["note"] = "fake CPU devices: temp memory is the CPU compiler's plan (an estimate)"
+    return info
 
 
 def parse_mesh(text: str | None, mesh_cfg=None) -> tuple[int, int, int]:
@@ -296,6 +360,7 @@ def compile_train_step(
     params, opt_state = spec.abstract.params, spec.abstract.opt_state
     report = {
         "kind": "train_step",
+        **compiler_info(mesh),
         "task": task.name,
         "mesh": dict(mesh.shape),
         "num_devices": int(mesh.size),
@@ -363,7 +428,7 @@ def compile_serve_round(
     tcfg = target_config.replace(dtype=dtype, param_dtype=dtype, remat="none")
     target = Qwen3(tcfg)
     drafter = None if drafter_config is None else make_drafter(drafter_config, tcfg)
-    key = jax.random.PRNGKey(0)
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))  # abstract: see the module docstring
     with jax.set_mesh(mesh), shd.rules_context(mesh):
         t_boxed = jax.eval_shape(
             lambda k: target.init(k, jnp.zeros((1, 8), jnp.int32))["params"], key
@@ -412,6 +477,7 @@ def compile_serve_round(
         t2 = time.perf_counter()
     report = {
         "kind": "serve_round",
+        **compiler_info(mesh),
         "mesh": dict(mesh.shape),
         "num_devices": int(mesh.size),
         "slots": int(slots),
@@ -442,8 +508,17 @@ def serve_configs(task) -> tuple[Any, Any]:
     return task.frozen_config(), task.drafter_config
 
 
+def aot_mesh(mesh_text: str | None, mesh_cfg=None, topology: str | None = None):
+    """The ``(data, fsdp, tensor)`` mesh to compile for: over the devices of a TPU
+    ``topology`` when given, else over this process's (fake CPU) devices."""
+    devices = topology_devices(topology) if topology else None
+    mesh = shd.make_mesh(*parse_mesh(mesh_text, mesh_cfg), devices=devices)
+    return mesh
+
+
 def run_cli(cfg, args) -> dict[str, Any]:
-    mesh = shd.make_mesh(*parse_mesh(args.aot_mesh, cfg.get("mesh")))
+    topology = getattr(args, "aot_topology", None)
+    mesh = aot_mesh(args.aot_mesh, cfg.get("mesh"), topology)
     task = aot_task(cfg)
     if args.aot_serve:
         tcfg, dcfg = serve_configs(task)
@@ -452,6 +527,8 @@ def run_cli(cfg, args) -> dict[str, Any]:
         )
     else:
         report, _ = compile_train_step(cfg, mesh, args.aot_device_memory_gb, task=task)
+    if topology:
+        report["topology"] = topology
     return report
 
 
@@ -460,9 +537,10 @@ def _gb(b: int) -> str:
 
 
 def format_report(report: dict[str, Any]) -> str:
+    where = report.get("topology") or f"{report['num_devices']} devices"
     lines = [
-        f"AOT {report['kind']}: mesh {report['mesh']} ({report['num_devices']} devices); "
-        f"lower {report['lower_s']:.1f}s, compile {report['compile_s']:.1f}s",
+        f"AOT {report['kind']} by {report.get('compiler', 'XLA')}: mesh {report['mesh']} "
+        f"({where}); lower {report['lower_s']:.1f}s, compile {report['compile_s']:.1f}s",
         "per device:",
     ]
     for k, v in report["per_device"].items():

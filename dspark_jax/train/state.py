@@ -51,7 +51,9 @@ def state_shardings(
     p_sh = shd.param_shardings(abstract_boxed_params, mesh)
     rep = NamedSharding(mesh, PartitionSpec())
     opt_sh = optax.tree_utils.tree_map_params(
-        tx,
+        # Abstract init: the optimizer's counters are never created on the mesh's devices
+        # (which may be a TPU topology this host does not have; see train/aot.py).
+        lambda placeholder: jax.eval_shape(tx.init, placeholder),
         lambda _, s: s,
         abstract_state.opt_state,
         p_sh,

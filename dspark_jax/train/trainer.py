@@ -238,7 +238,9 @@ def build_state_spec(task: Task, cfg: ConfigDict, mesh) -> StateSpec:
             rng=jax.random.fold_in(key, 1),
         )
 
-    key = jax.random.PRNGKey(cfg.train.seed)
+    # Abstract: nothing concrete is created here, so the spec can be built on a mesh of
+    # devices this host does not have (AOT for a TPU topology).
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(cfg.train.seed))
     abstract_boxed = jax.eval_shape(task.init_params, key)
     abstract = jax.eval_shape(init_state, key)
     shardings = state_shardings(abstract_boxed, abstract, tx, mesh)

@@ -1,0 +1,224 @@
+"""Roofline of the serving decode round at every verify bucket, from XLA:TPU's own cost
+analysis of the compiled round for a named TPU topology (no TPU needed: libtpu compiles on
+this host; ``pip install -e '.[tpu]'``).
+
+    python benchmarks/roofline.py --topology v5p:2x2x1 --tensor 4      # 8B + 5-layer DSpark
+    python benchmarks/roofline.py --topology v5p:2x2x2 --tensor 8 --budgets 0,56,448
+    python benchmarks/roofline.py --quick       # tiny models on v5e:2x2 (seconds; a check)
+
+For each budget K (B = R + K verified tokens) the round is compiled with the target's layer
+scan unrolled (XLA counts a loop body once) and the report gives, per chip: XLA's flops and
+bytes accessed, the hand-counted flops (``perf.roofline.round_flops_hand_count``), the
+floor bytes (weights + each slot's KV and drafter context up to ``--context-fraction`` of
+max_len, each read once), bytes / floor, the modelled time max(flops/peak, bytes/HBM BW)
+from the chip's public figures (``perf.roofline.CHIPS``) and the modelled SPS(B), plus the
+largest producers of bytes in the program. Writes ``<out>.json``, ``<out>.md`` and
+``<out>_sps.json`` (the modelled SPS table in the format ``--sps-cache`` reads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--topology", default="v5p:2x2x1", help="TPU topology, e.g. v5p:2x2x1")
+    p.add_argument("--tensor", type=int, default=4, help="tensor-parallel ways (mesh 1,D/t,t)")
+    p.add_argument("--preset", default="qwen3-8b", help="target shape (models/presets.py)")
+    p.add_argument("--drafter-layers", type=int, default=5, help="DSpark draft layers")
+    p.add_argument("--gamma", type=int, default=7)
+    p.add_argument("--markov-rank", type=int, default=256)
+    p.add_argument("--slots", type=int, default=64, help="request slots R")
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument(
+        "--context-fraction",
+        type=float,
+        default=1.0,
+        help="each slot's length as a fraction of max-len, for the floor (1 = full cache)",
+    )
+    p.add_argument(
+        "--budgets",
+        default=None,
+        help="comma-separated verify budgets K (default: 0 and the serving buckets up to R·γ)",
+    )
+    p.add_argument("--quick", action="store_true", help="tiny models on v5e:2x2")
+    p.add_argument("--out", default=None, help="output prefix (default benchmarks/results/...)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.topology, args.tensor, args.preset = "v5e:2x2", 2, "tiny"
+        args.drafter_layers, args.gamma, args.markov_rank = 1, 4, 16
+        args.slots, args.max_len = 4, 64
+    if args.out is None:
+        name = "roofline_quick" if args.quick else f"roofline_{args.topology.replace(':', '_')}"
+        args.out = os.path.join(REPO, "benchmarks", "results", f"{name}_tp{args.tensor}")
+    return args
+
+
+def run(args) -> dict:
+    from dspark_jax.decode.runner import default_buckets
+    from dspark_jax.models.drafter_config import DrafterConfig
+    from dspark_jax.models.presets import get_preset
+    from dspark_jax.perf import roofline as rl
+    from dspark_jax.train import aot
+
+    chip = rl.chip_for_topology(args.topology)
+    devices = aot.topology_devices(args.topology)
+    if len(devices) % args.tensor:
+        raise ValueError(f"--tensor {args.tensor} does not divide {len(devices)} chips")
+    mesh = aot.aot_mesh(f"1,{len(devices) // args.tensor},{args.tensor}", topology=args.topology)
+    target = get_preset(args.preset).replace(scan_layers=False)
+    drafter = DrafterConfig(
+        kind="dspark",
+        gamma=args.gamma,
+        num_layers=args.drafter_layers,
+        markov_rank=args.markov_rank,
+        mask_token_id=target.vocab_size - 1,
+    ).resolve(target)
+    full = args.slots * args.gamma
+    if args.budgets:
+        budgets = sorted({int(b) for b in args.budgets.split(",")})
+    else:
+        budgets = sorted({0, *default_buckets(args.slots, args.gamma)})
+    if any(not 0 <= k <= full for k in budgets):
+        raise ValueError(f"--budgets must lie in [0, R·γ = {full}], got {budgets}")
+    context_len = max(1, round(args.context_fraction * args.max_len))
+    rows = []
+    for k in budgets:
+        t0 = time.perf_counter()
+        report, compiled = aot.compile_serve_round(
+            target, drafter, mesh, args.slots, args.max_len, budget=k, scheduler="topk"
+        )
+        cost = rl.cost_of(compiled)
+        hlo = compiled.as_text()
+        floor = rl.round_floor_bytes(report["per_device"], args.context_fraction)
+        hand = rl.round_flops_hand_count(
+            target, drafter, slots=args.slots, budget=k, context_len=context_len
+        )
+        hand_per_chip = hand["total"] / mesh.size
+        seconds = chip.seconds(cost["flops"], cost["bytes"])
+        floor_s = chip.seconds(hand_per_chip, floor["bytes"])
+        row = {
+            "budget": k,
+            "B": args.slots + k,
+            "flops": cost["flops"],
+            "flops_hand_count": hand_per_chip,
+            "flops_ratio": cost["flops"] / hand_per_chip,
+            "bytes": cost["bytes"],
+            "floor_bytes": floor["bytes"],
+            "floor_parts": floor["parts"],
+            "bytes_over_floor": cost["bytes"] / floor["bytes"],
+            "modelled_ms": 1e3 * seconds,
+            "floor_ms": 1e3 * floor_s,
+            "modelled_sps": 1.0 / seconds,
+            "bound": "memory" if cost["bytes"] / (chip.hbm_gb_per_s * 1e9)
+            >= cost["flops"] / (chip.bf16_tflops * 1e12) else "compute",
+            "while_loops": rl.while_loops(hlo),
+            "peak_memory_bytes": report["memory"]["peak_bytes"],
+            "top_bytes": rl.bytes_by_op(hlo, top=8),
+            "compile_s": round(time.perf_counter() - t0, 1),
+        }  # fmt: skip
+        rows.append(row)
+        print(
+            f"[roofline] B={row['B']}: {cost['bytes'] / 1e9:.1f} GB ({row['bytes_over_floor']:.1f}x "
+            f"floor), {cost['flops'] / 1e9:.0f} GFLOP ({row['flops_ratio']:.2f}x hand count), "
+            f"{row['modelled_ms']:.1f} ms modelled, compile {row['compile_s']}s",
+            flush=True,
+        )
+    base = rows[0]["modelled_sps"]
+    for r in rows:
+        r["sps_over_sps_R"] = r["modelled_sps"] / base
+    return {
+        "topology": args.topology,
+        "chip": chip.__dict__,
+        "tensor": args.tensor,
+        "mesh": dict(mesh.shape),
+        "compiler": aot.compiler_info(mesh),
+        "target": args.preset,
+        "drafter": drafter.to_dict(),
+        "slots": args.slots,
+        "max_len": args.max_len,
+        "context_fraction": args.context_fraction,
+        "command": "python benchmarks/roofline.py " + " ".join(sys.argv[1:]),
+        "rows": rows,
+    }
+
+
+def markdown(res: dict) -> str:
+    chip = res["chip"]
+    lines = [
+        f"# Roofline of the decode round: {res['target']} + {res['drafter']['num_layers']}-layer "
+        f"DSpark on {res['topology']} (tensor = {res['tensor']})",
+        "",
+        f"Produced by `{res['command']}` with {res['compiler']['compiler']} (libtpu "
+        f"{res['compiler'].get('libtpu')}); R = {res['slots']}, max_len = {res['max_len']}, "
+        f"slots at {res['context_fraction']:.0%} of max_len for the floor; chip figures "
+        f"{chip['bf16_tflops']:.0f} bf16 TFLOP/s, {chip['hbm_gb_per_s']:.0f} GB/s "
+        f"([source]({chip['source']})). Per chip; modelled time = max(flops / peak, "
+        "bytes / HBM bandwidth).",
+        "",
+        "| B = R + K | bytes GB | floor GB | bytes / floor | GFLOP | flops / hand count | "
+        "modelled ms | floor ms | modelled SPS | SPS(B) / SPS(R) | bound | loops left |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        lines.append(
+            f"| {r['B']} | {r['bytes'] / 1e9:.1f} | {r['floor_bytes'] / 1e9:.1f} | "
+            f"{r['bytes_over_floor']:.1f} | {r['flops'] / 1e9:.0f} | {r['flops_ratio']:.2f} | "
+            f"{r['modelled_ms']:.1f} | {r['floor_ms']:.1f} | {r['modelled_sps']:.1f} | "
+            f"{r['sps_over_sps_R']:.2f} | {r['bound']} | {r['while_loops']} |"
+        )
+    last = res["rows"][-1]
+    lines += [
+        "",
+        f"Largest producers of bytes at B = {last['B']} (output bytes by HLO opcode, GB):",
+        "",
+    ]
+    for op, b in list(last["top_bytes"]["by_opcode"].items())[:8]:
+        lines.append(f"- `{op}`: {b / 1e9:.2f}")
+    lines += ["", "Largest single instructions:", ""]
+    for e in last["top_bytes"]["largest"][:6]:
+        lines.append(f"- {e['bytes'] / 1e9:.2f} GB `{e['opcode']}` {e['op_name'][:120]}")
+    lines += [
+        "",
+        "Loops left: while loops still in the program (the drafter's γ-step sequential-head "
+        "scan, sampling); XLA counts their bodies once, so their share is undercounted.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def sps_table(res: dict) -> dict:
+    """The modelled table as an ``--sps-cache`` file: {key: SPSTable JSON}."""
+    from dspark_jax.sched.sps import SPSTable
+
+    secs = {r["B"]: r["modelled_ms"] / 1e3 for r in res["rows"]}
+    key = f"modelled|{res['topology']}|tensor={res['tensor']}|R={res['slots']}|max_len={res['max_len']}"
+    return {key: SPSTable.from_seconds(secs).to_json()}
+
+
+def main(argv=None) -> int:
+    from dspark_jax.cli import run_main
+
+    def cli(args):
+        res = run(args)
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out + ".json", "w") as f:
+            json.dump(res, f, indent=2)
+        with open(args.out + ".md", "w") as f:
+            f.write(markdown(res))
+        with open(args.out + "_sps.json", "w") as f:
+            json.dump(sps_table(res), f, indent=1)
+        print(f"wrote {args.out}.json, .md and _sps.json")
+
+    return run_main(cli, parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

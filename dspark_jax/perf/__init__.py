@@ -1,0 +1,1 @@
+"""Performance models of compiled programs: the roofline cost model (``perf.roofline``)."""

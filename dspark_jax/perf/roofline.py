@@ -1,0 +1,195 @@
+"""A roofline cost model of compiled programs (DESIGN §9).
+
+``time = max(flops / peak_flops, bytes / hbm_bandwidth)`` per chip, with flops and bytes
+from XLA's own cost analysis of the compiled executable (``compiled.cost_analysis()``: for
+an SPMD program these are per device). XLA counts a while-loop body once, so the target's
+layer scan must be unrolled (``Qwen3Config.scan_layers=False``) before the figures mean
+anything; ``while_loops`` lists the loops that remain (e.g. the γ-step sequential-head
+scan, whose body is then counted once) so a report can say what it undercounts.
+
+The *floor* is what a round cannot avoid: read every weight once, each slot's KV cache and
+drafter context up to its length once, and run the matmul flops of the tokens verified
+(``decode_round_floor``). The ratio of XLA's bytes to the floor is what a kernel or layout
+change can win; ``bytes_by_op`` names the largest producers of bytes in the program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """Public per-chip peak figures (dense bf16 matmul throughput, HBM bandwidth, HBM)."""
+
+    name: str
+    bf16_tflops: float
+    hbm_gb_per_s: float
+    hbm_gb: float
+    source: str
+
+    def seconds(self, flops: float, bytes_accessed: float) -> float:
+        return max(flops / (self.bf16_tflops * 1e12), bytes_accessed / (self.hbm_gb_per_s * 1e9))
+
+
+# Vendor spec sheets (per chip; TPU figures are per chip of the named generation).
+CHIPS: dict[str, Chip] = {
+    c.name: c
+    for c in (
+        Chip("v5e", 197.0, 819.0, 16.0, "https://cloud.google.com/tpu/docs/v5e"),
+        Chip("v5p", 459.0, 2765.0, 95.0, "https://cloud.google.com/tpu/docs/v5p"),
+        Chip("v6e", 918.0, 1640.0, 32.0, "https://cloud.google.com/tpu/docs/v6e"),
+        Chip("H100", 989.0, 3350.0, 80.0, "https://www.nvidia.com/en-us/data-center/h100/"),
+        Chip("H200", 989.0, 4800.0, 141.0, "https://www.nvidia.com/en-us/data-center/h200/"),
+    )
+}
+
+
+def chip_for_topology(topology: str) -> Chip:
+    """``v5p:2x2x1`` -> the v5p figures."""
+    family = topology.split(":", 1)[0].lower()
+    for name, chip in CHIPS.items():
+        if name.lower() == family:
+            return chip
+    raise ValueError(f"no chip figures for {topology!r}; known: {sorted(CHIPS)}")
+
+
+def cost_of(compiled) -> dict[str, float]:
+    """``{"flops", "bytes"}`` of a compiled executable (XLA's cost analysis, per device)."""
+    ca = compiled.cost_analysis()
+    if isinstance(ca, list | tuple):  # older jax: one dict per partition
+        ca = ca[0]
+    if not ca or "flops" not in ca:
+        raise ValueError("this backend's compiler reports no cost analysis")
+    return {"flops": float(ca["flops"]), "bytes": float(ca.get("bytes accessed", 0.0))}
+
+
+# -- the compiled program's HLO -----------------------------------------------------------
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
+    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1,
+}  # fmt: skip
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][\w\-]*)\(", re.M)
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+_OP_NAME = re.compile(r'op_name="([^"]+)"')
+
+
+def _shape_bytes(type_text: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(type_text):
+        size = _DTYPE_BYTES.get(dtype)
+        if size is None:
+            continue
+        n = 1
+        for d in dims.split(","):
+            if d:
+                n *= int(d)
+        total += n * size
+    return total
+
+
+def bytes_by_op(hlo_text: str, top: int = 12) -> dict[str, Any]:
+    """Output bytes of every instruction of the (entry and nested) computations, summed by
+    opcode, plus the ``top`` largest instructions with their source op names. Output bytes
+    are what an instruction writes; a fusion's reads are its operands' writes."""
+    by_kind: Counter = Counter()
+    largest: list[tuple[int, str, str]] = []
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        type_text, opcode = m.groups()
+        if opcode in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
+            continue
+        b = _shape_bytes(type_text)
+        if not b:
+            continue
+        by_kind[opcode] += b
+        src = _OP_NAME.search(line)
+        largest.append((b, opcode, src.group(1) if src else ""))
+    largest.sort(reverse=True)
+    return {
+        "by_opcode": dict(by_kind.most_common()),
+        "largest": [{"bytes": b, "opcode": op, "op_name": name} for b, op, name in largest[:top]],
+    }
+
+
+def while_loops(hlo_text: str) -> int:
+    """Number of while loops left in the program (their bodies are counted once)."""
+    return len(re.findall(r"\bwhile\(", hlo_text))
+
+
+# -- what a decode round must do ----------------------------------------------------------
+def round_floor_bytes(per_device: dict[str, int], context_fraction: float = 1.0) -> dict:
+    """Bytes per chip a decode round cannot avoid: every weight once, and each slot's KV
+    cache and drafter context once up to its length (``context_fraction`` of ``max_len``).
+    ``per_device``: the AOT report's per-device sizes (``train/aot.py``), which follow the
+    real shardings."""
+    kv = per_device["kv_cache_bytes"] * context_fraction
+    ctx = (per_device["state_bytes"] - per_device["kv_cache_bytes"]) * context_fraction
+    parts = {
+        "target_weights": float(per_device["target_bytes"]),
+        "kv_cache": float(kv),
+        "drafter_weights": float(per_device["drafter_bytes"]),
+        "drafter_context": float(ctx),
+    }
+    return {"bytes": sum(parts.values()), "parts": parts}
+
+
+def _layer_flops(c, rows: int, context_len: int) -> float:
+    """One Qwen3 decoder layer on ``rows`` tokens attending to ``context_len`` keys."""
+    d, h, kvh, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    proj = 2 * rows * d * (2 * h * hd + 2 * kvh * hd)
+    mlp = 2 * rows * d * 3 * c.intermediate_size
+    attn = 4 * rows * context_len * h * hd  # QKᵀ and AV
+    return float(proj + mlp + attn)
+
+
+def target_forward_flops(c, rows: int, context_len: int) -> float:
+    """Hand count of the target's forward on ``rows`` tokens (LM head included)."""
+    return c.num_hidden_layers * _layer_flops(c, rows, context_len) + 2.0 * rows * (
+        c.hidden_size * c.vocab_size
+    )
+
+
+def round_flops_hand_count(
+    target, drafter, *, slots: int, budget: int, context_len: int
+) -> dict[str, float]:
+    """Hand count of one fused decode round's flops (whole program, all chips together):
+    the target verifying ``B = slots + budget`` tokens, and the drafter drafting γ tokens
+    for every slot (its layers over the γ block tokens against the context, the shared LM
+    head on every draft row, the Markov/RNN head's rank-r factor) plus projecting the
+    committed positions' tap features into its context. Elementwise work is left out."""
+    b = slots + budget
+    out = {"target": target_forward_flops(target, b, context_len)}
+    if drafter is not None:
+        g = drafter.draft_len
+        rows = slots * g
+        d, v = target.hidden_size, target.vocab_size
+        layers = drafter.resolved_num_layers
+        draft = layers * _layer_flops(target, rows, context_len + g)
+        lm_head = 2.0 * rows * d * v
+        rank = getattr(drafter, "head_rank", 0) or 0
+        head = 2.0 * rows * rank * v
+        taps = len(drafter.taps or ())
+        ctx_proj = 2.0 * b * taps * d * d
+        out.update(drafter_layers=draft, drafter_lm_head=lm_head, drafter_head=head,
+                   drafter_context=ctx_proj)  # fmt: skip
+    out["total"] = float(sum(out.values()))
+    return out
+
+
+__all__ = [
+    "CHIPS",
+    "Chip",
+    "bytes_by_op",
+    "chip_for_topology",
+    "cost_of",
+    "round_floor_bytes",
+    "round_flops_hand_count",
+    "target_forward_flops",
+    "while_loops",
+]

@@ -1,0 +1,74 @@
+"""The roofline cost model (dspark_jax/perf/roofline.py): unrolled layers give the same
+logits and let XLA's cost analysis count every layer; its flops match a hand count; the
+chip model, floor and byte breakdown do what they say."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from dspark_jax.models.presets import PRESETS
+from dspark_jax.models.qwen3 import Qwen3
+from dspark_jax.perf import roofline as rl
+
+
+def _compiled_forward(cfg, tokens):
+    model = Qwen3(cfg)
+    params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    fn = jax.jit(lambda p, t: model.apply({"params": p}, t))
+    return fn, params, fn.lower(params, tokens).compile()
+
+
+def test_unrolled_layers_same_logits_every_layer_counted_flops_match_hand_count():
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+    base = PRESETS["tiny"]
+    fn, params, scanned = _compiled_forward(base, tokens)
+    fn_u, _, unrolled = _compiled_forward(base.replace(scan_layers=False), tokens)
+    np.testing.assert_allclose(fn(params, tokens), fn_u(params, tokens), rtol=1e-5, atol=1e-5)
+    assert rl.while_loops(scanned.as_text()) >= 1 and rl.while_loops(unrolled.as_text()) == 0
+    hand = rl.target_forward_flops(base, rows=2 * 16, context_len=16)
+    flops = rl.cost_of(unrolled)["flops"]
+    # Matmuls are all but a few percent of the flops (norms, RoPE, softmax are the rest).
+    assert hand <= flops <= 1.1 * hand, (flops, hand)
+    # The scanned program counts one layer's body: far fewer flops.
+    assert rl.cost_of(scanned)["flops"] < 0.5 * flops
+
+
+def test_chip_model_is_the_max_of_compute_and_memory_time():
+    v5p = rl.CHIPS["v5p"]
+    assert rl.chip_for_topology("v5p:2x2x1") is v5p
+    assert v5p.seconds(459e12, 0) == pytest.approx(1.0)
+    assert v5p.seconds(0, 2765e9) == pytest.approx(1.0)
+    assert v5p.seconds(459e12, 2 * 2765e9) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="no chip figures for 'v9x:2x2'"):
+        rl.chip_for_topology("v9x:2x2")
+
+
+def test_floor_counts_each_slot_to_its_length():
+    per_device = dict(target_bytes=100, drafter_bytes=10, kv_cache_bytes=400, state_bytes=480)
+    full = rl.round_floor_bytes(per_device)
+    assert full["bytes"] == 100 + 10 + 400 + 80
+    half = rl.round_floor_bytes(per_device, context_fraction=0.5)
+    assert half["parts"] == {
+        "target_weights": 100,
+        "kv_cache": 200,
+        "drafter_weights": 10,
+        "drafter_context": 40,
+    }
+
+
+def test_bytes_by_op_reads_hlo_output_shapes():
+    hlo = """
+ENTRY %main (p0: f32[4,8]) -> f32[4,8] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %fusion.1 = bf16[16,128]{1,0} fusion(%p0), kind=kLoop, metadata={op_name="jit(f)/dot"}
+  %copy.2 = f32[4,8]{1,0} copy(%p0)
+  ROOT %add.3 = f32[4,8]{1,0} add(%copy.2, %copy.2), metadata={op_name="jit(f)/add"}
+}
+"""
+    out = rl.bytes_by_op(hlo)
+    assert out["by_opcode"] == {"fusion": 16 * 128 * 2, "copy": 128, "add": 128}
+    assert out["largest"][0] == {"bytes": 4096, "opcode": "fusion", "op_name": "jit(f)/dot"}
