@@ -271,6 +271,7 @@ def main(argv=None) -> int:
         rows = []
         try:
             for c in levels:
+                before = engine.stats.timeline()
                 row = asyncio.run(
                     run_level(
                         server.url,
@@ -283,12 +284,21 @@ def main(argv=None) -> int:
                         args.temperature,
                     )  # fmt: skip
                 )
+                # The engine thread's time in this level, by phase (engine.EngineStats).
+                after = engine.stats.timeline()
+                phases = ("dispatch_seconds", "device_wait_seconds", "host_seconds")
+                spent = {k: after[k] - before[k] for k in phases + ("idle_seconds",)}
+                busy = sum(spent[k] for k in phases)
+                spent["host_share"] = (
+                    (spent["dispatch_seconds"] + spent["host_seconds"]) / busy if busy else 0.0
+                )
+                row["timeline"] = spent
                 rows.append(row)
                 print(
                     f"{name:<18} c={c:<3} agg {row['aggregate_tokens_per_second']:8.1f} tok/s  "
                     f"user {row['per_user_tokens_per_second']:7.1f} tok/s  τ {row['mean_tau']:.2f}"
                     f"  verify/round {row['mean_verify_budget_per_request']:.2f}  "
-                    f"ok {row['ok']}/{row['requests']}",
+                    f"host {spent['host_share']:.1%}  ok {row['ok']}/{row['requests']}",
                     flush=True,
                 )
         finally:
