@@ -91,13 +91,25 @@ def _shape_bytes(type_text: str) -> int:
     return total
 
 
+_COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+
+
 def bytes_by_op(hlo_text: str, top: int = 12) -> dict[str, Any]:
-    """Output bytes of every instruction of the (entry and nested) computations, summed by
-    opcode, plus the ``top`` largest instructions with their source op names. Output bytes
+    """Output bytes of the instructions that write memory (those of the entry computation
+    and of loop bodies, not the instructions inside a fusion, which stay in registers),
+    summed by opcode, plus the ``top`` largest with their source op names. Output bytes
     are what an instruction writes; a fusion's reads are its operands' writes."""
     by_kind: Counter = Counter()
     largest: list[tuple[int, str, str]] = []
+    inside_fusion = False
     for line in hlo_text.splitlines():
+        c = _COMPUTATION.match(line)
+        if c:
+            # Bodies of fusions (fused_computation.N), wrapped ops and reducers (region_N).
+            inside_fusion = c.group(2).startswith(("fused", "wrapped", "region"))
+            continue
+        if inside_fusion:
+            continue
         m = _INSTR.match(line)
         if not m:
             continue
