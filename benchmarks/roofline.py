@@ -33,6 +33,12 @@ def parse_args(argv=None):
     p.add_argument("--topology", default="v5p:2x2x1", help="TPU topology, e.g. v5p:2x2x1")
     p.add_argument("--tensor", type=int, default=4, help="tensor-parallel ways (mesh 1,D/t,t)")
     p.add_argument("--preset", default="qwen3-8b", help="target shape (models/presets.py)")
+    p.add_argument(
+        "--drafter",
+        choices=("dspark", "mtp1", "none"),
+        default="dspark",
+        help="the round's drafter: DSpark (default), MTP-1 (γ = 1), or none (target only)",
+    )
     p.add_argument("--drafter-layers", type=int, default=5, help="DSpark draft layers")
     p.add_argument("--gamma", type=int, default=7)
     p.add_argument("--markov-rank", type=int, default=256)
@@ -51,6 +57,9 @@ def parse_args(argv=None):
     )
     p.add_argument("--quick", action="store_true", help="tiny models on v5e:2x2")
     p.add_argument("--out", default=None, help="output prefix (default benchmarks/results/...)")
+    p.add_argument(
+        "--render", action="store_true", help="only rewrite <out>.md and <out>_sps.json from .json"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.topology, args.tensor, args.preset = "v5e:2x2", 2, "tiny"
@@ -58,7 +67,8 @@ def parse_args(argv=None):
         args.slots, args.max_len = 4, 64
     if args.out is None:
         name = "roofline_quick" if args.quick else f"roofline_{args.topology.replace(':', '_')}"
-        args.out = os.path.join(REPO, "benchmarks", "results", f"{name}_tp{args.tensor}")
+        arm = "" if args.drafter == "dspark" else f"_{args.drafter}"
+        args.out = os.path.join(REPO, "benchmarks", "results", f"{name}_tp{args.tensor}{arm}")
     return args
 
 
@@ -75,18 +85,27 @@ def run(args) -> dict:
         raise ValueError(f"--tensor {args.tensor} does not divide {len(devices)} chips")
     mesh = aot.aot_mesh(f"1,{len(devices) // args.tensor},{args.tensor}", topology=args.topology)
     target = get_preset(args.preset).replace(scan_layers=False)
-    drafter = DrafterConfig(
-        kind="dspark",
-        gamma=args.gamma,
-        num_layers=args.drafter_layers,
-        markov_rank=args.markov_rank,
-        mask_token_id=target.vocab_size - 1,
-    ).resolve(target)
-    full = args.slots * args.gamma
+    if args.drafter == "none":
+        drafter, gamma, scheduler = None, 0, "none"
+    elif args.drafter == "mtp1":
+        drafter = DrafterConfig(kind="mtp1", gamma=1).resolve(target)
+        gamma, scheduler = 1, "fixed"
+    else:
+        drafter = DrafterConfig(
+            kind="dspark",
+            gamma=args.gamma,
+            num_layers=args.drafter_layers,
+            markov_rank=args.markov_rank,
+            mask_token_id=target.vocab_size - 1,
+        ).resolve(target)
+        gamma, scheduler = args.gamma, "topk"
+    full = args.slots * gamma
     if args.budgets:
         budgets = sorted({int(b) for b in args.budgets.split(",")})
+    elif gamma == 0:
+        budgets = [0]
     else:
-        budgets = sorted({0, *default_buckets(args.slots, args.gamma)})
+        budgets = sorted({0, *default_buckets(args.slots, gamma)})
     if any(not 0 <= k <= full for k in budgets):
         raise ValueError(f"--budgets must lie in [0, R·γ = {full}], got {budgets}")
     context_len = max(1, round(args.context_fraction * args.max_len))
@@ -94,7 +113,7 @@ def run(args) -> dict:
     for k in budgets:
         t0 = time.perf_counter()
         report, compiled = aot.compile_serve_round(
-            target, drafter, mesh, args.slots, args.max_len, budget=k, scheduler="topk"
+            target, drafter, mesh, args.slots, args.max_len, budget=k, scheduler=scheduler
         )
         cost = rl.cost_of(compiled)
         hlo = compiled.as_text()
@@ -142,7 +161,8 @@ def run(args) -> dict:
         "mesh": dict(mesh.shape),
         "compiler": aot.compiler_info(mesh),
         "target": args.preset,
-        "drafter": drafter.to_dict(),
+        "drafter": None if drafter is None else drafter.to_dict(),
+        "drafter_kind": args.drafter,
         "slots": args.slots,
         "max_len": args.max_len,
         "context_fraction": args.context_fraction,
@@ -153,9 +173,13 @@ def run(args) -> dict:
 
 def markdown(res: dict) -> str:
     chip = res["chip"]
+    kind = res.get("drafter_kind", "dspark")
+    what = {"none": "target only (no speculation)", "mtp1": "MTP-1"}.get(
+        kind, f"{(res['drafter'] or {}).get('num_layers')}-layer DSpark"
+    )
     lines = [
-        f"# Roofline of the decode round: {res['target']} + {res['drafter']['num_layers']}-layer "
-        f"DSpark on {res['topology']} (tensor = {res['tensor']})",
+        f"# Roofline of the decode round: {res['target']} + {what} on {res['topology']} "
+        f"(tensor = {res['tensor']})",
         "",
         f"Produced by `{res['command']}` with {res['compiler']['compiler']} (libtpu "
         f"{res['compiler'].get('libtpu')}); R = {res['slots']}, max_len = {res['max_len']}, "
@@ -199,7 +223,11 @@ def sps_table(res: dict) -> dict:
     from dspark_jax.sched.sps import SPSTable
 
     secs = {r["B"]: r["modelled_ms"] / 1e3 for r in res["rows"]}
-    key = f"modelled|{res['topology']}|tensor={res['tensor']}|R={res['slots']}|max_len={res['max_len']}"
+    kind = res.get("drafter_kind", "dspark")
+    key = (
+        f"modelled|{res['topology']}|tensor={res['tensor']}|R={res['slots']}|"
+        f"max_len={res['max_len']}|drafter={kind}"
+    )
     return {key: SPSTable.from_seconds(secs).to_json()}
 
 
@@ -207,10 +235,14 @@ def main(argv=None) -> int:
     from dspark_jax.cli import run_main
 
     def cli(args):
-        res = run(args)
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out + ".json", "w") as f:
-            json.dump(res, f, indent=2)
+        if args.render:
+            with open(args.out + ".json") as f:
+                res = json.load(f)
+        else:
+            res = run(args)
+            os.makedirs(os.path.dirname(args.out), exist_ok=True)
+            with open(args.out + ".json", "w") as f:
+                json.dump(res, f, indent=2)
         with open(args.out + ".md", "w") as f:
             f.write(markdown(res))
         with open(args.out + "_sps.json", "w") as f:

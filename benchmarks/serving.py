@@ -161,6 +161,34 @@ def build_arms(args):
     return arms
 
 
+def cost_model(engine, per_round_repeats: int) -> dict:
+    """What the serving simulator (``benchmarks/serving_sim.py --validate``) needs to replay
+    this arm: the engine's shapes, the SPS table its scheduler used (profiled now, after the
+    levels, for arms that do not profile at warm-up) and measured prefill seconds per
+    compiled (rows, prompt bucket)."""
+    from dspark_jax.decode.runner import profile_decoder_sps
+
+    table = engine.sps_table
+    if table is None:
+        table = profile_decoder_sps(
+            engine.decoder, engine.verify_buckets, repeats=per_round_repeats
+        )
+    return {
+        "scheduler": engine.scheduler,
+        "slots": engine.config.num_slots,
+        "gamma": engine.gamma,
+        "threshold": engine.config.threshold,
+        "verify_buckets": list(engine.verify_buckets),
+        "two_phase": engine.two_phase,
+        "prefill_batch": max(engine.prefill_rows),
+        "sps": table.to_json(),
+        "prefill_seconds": [
+            {"rows": b, "bucket": t, "seconds": sec}
+            for (b, t), sec in engine.profile_prefill(repeats=per_round_repeats).items()
+        ],
+    }
+
+
 def results_stem(quick: bool, temperature: float) -> str:
     """``serving`` (greedy), ``serving_t1`` (T = 1), ``serving_quick``...: one file set per
     run kind, so a sampling run does not overwrite the greedy one."""
@@ -272,6 +300,7 @@ def main(argv=None) -> int:
         try:
             for c in levels:
                 before = engine.stats.timeline()
+                rounds_before = engine.stats.rounds
                 row = asyncio.run(
                     run_level(
                         server.url,
@@ -292,6 +321,7 @@ def main(argv=None) -> int:
                 spent["host_share"] = (
                     (spent["dispatch_seconds"] + spent["host_seconds"]) / busy if busy else 0.0
                 )
+                spent["rounds"] = engine.stats.rounds - rounds_before
                 row["timeline"] = spent
                 rows.append(row)
                 print(
@@ -303,7 +333,12 @@ def main(argv=None) -> int:
                 )
         finally:
             server.stop()
+            engine.shutdown()
         results["arms"][name] = rows
+        results.setdefault("cost_model", {})[name] = cost_model(
+            engine, per_round_repeats=2 if q else 5
+        )
+        results["prompt_tokens"] = [len(tok.encode(x)) for x in fit]
         results.setdefault("compilations_after_warmup", {})[name] = engine.compilations_after_warmup
         results.setdefault("warmup_seconds", {})[name] = warm
     os.makedirs(args.out, exist_ok=True)

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT))
+
+from dspark_jax.perf.serving_report import serving_goals  # noqa: E402
+
 PAPER_DFLASH, PAPER_EAGLE = "+16–18 %", "+27–31 %"
 
 
@@ -342,67 +347,6 @@ def compile_section(ct) -> list[str]:
             f"{r['compile_s']:.2f} |"
         )
     return out + ["", "`nn.scan` keeps compile time flat in depth (4 → 36 layers).", ""]
-
-
-def _interp(x: float, xs: list[float], ys: list[float]) -> float | None:
-    """Linear interpolation of ``ys`` over increasing ``xs`` at ``x`` (None outside)."""
-    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
-        if x0 <= x <= x1:
-            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return None
-
-
-def serving_goals(arms: dict) -> list[str]:
-    """The issue's serving goals, computed from the table: top-K against every other arm
-    per concurrency, top-K / fixed γ at the highest concurrency, and top-K's per-user
-    tokens/s over MTP-1's at matched aggregate throughput (MTP-1's per-user rate
-    interpolated along its aggregate-throughput frontier)."""
-    topk, fixed, mtp = (arms.get(n) for n in ("dynamic top-K", "fixed γ", "MTP-1"))
-    if not topk:
-        return []
-    agg = "aggregate_tokens_per_second"
-    user = "per_user_tokens_per_second"
-    out = ["", "Goals, from the table above:", ""]
-    for r in topk:
-        c = r["concurrency"]
-        others = {
-            n: x[agg] for n, rows in arms.items() if n != "dynamic top-K"
-            for x in rows if x["concurrency"] == c
-        }  # fmt: skip
-        if others:
-            best = max(others, key=others.get)
-            out.append(
-                f"- c = {c}: top-K / best other arm ({best}) = "
-                f"{r[agg] / others[best]:.2f}× aggregate throughput"
-            )
-    if fixed:
-        c_max = max(x["concurrency"] for x in topk)
-        f = [x for x in fixed if x["concurrency"] == c_max]
-        t = [x for x in topk if x["concurrency"] == c_max]
-        if f and t:
-            out.append(
-                f"- c = {c_max}: top-K / fixed γ = {t[0][agg] / f[0][agg]:.2f}× (goal ≥ 1.3×)"
-            )
-    if mtp:
-        pts = sorted((x[agg], x[user]) for x in mtp)
-        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        ratios = []
-        for r in topk:
-            ref = _interp(r[agg], xs, ys)
-            if ref:
-                ratios.append((r[agg], r[user] / ref))
-        if ratios:
-            desc = ", ".join(f"{a:.0f} tok/s: {q:.2f}×" for a, q in ratios)
-            out.append(
-                "- per-user tokens/s, top-K / MTP-1 at matched aggregate throughput "
-                f"(goal ≥ 1.6×): {desc}"
-            )
-        else:
-            out.append(
-                "- per-user at matched aggregate: no top-K point falls inside MTP-1's "
-                "aggregate-throughput range"
-            )
-    return out
 
 
 def _serving_command(data: dict) -> str:

@@ -75,7 +75,19 @@ def make_mesh(
             f"Mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = {math.prod(sizes)} "
             f"devices, but {n} are available"
         )
-    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    axis_types = (AxisType.Auto,) * 3
+    try:
+        return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=axis_types, devices=devices)
+    except NotImplementedError:
+        # A TPU slice whose torus axes do not factor into the logical sizes (8 x 8 over a
+        # 4x4x4 v5p): let a logical axis span part of a physical one. Valid, with collectives
+        # over partial rings instead of whole ones.
+        from jax.experimental import mesh_utils
+
+        arr = mesh_utils.create_device_mesh(
+            tuple(sizes), devices=devices, allow_split_physical_axes=True
+        )
+        return Mesh(arr, MESH_AXES, axis_types=axis_types)
 
 
 def mesh_from_config(mesh_cfg) -> Mesh:

@@ -95,3 +95,12 @@ def test_roofline_benchmark_writes_its_tables(tmp_path):
     (table,) = json.load(open(out + "_sps.json")).values()
     assert list(SPSTable.from_json(table).buckets) == [4, 20]
     assert "| B = R + K |" in open(out + ".md").read()
+
+
+@needs_libtpu
+def test_mesh_whose_axes_split_a_torus_axis():
+    # data 8 x fsdp 2 over v5e:4x4: 8 is no product of the physical axes (4, 4), so the
+    # logical axis must span part of one (what the 8B "data8xfsdp8" row on v5p:4x4x4 needs).
+    mesh = aot.aot_mesh("8,2,1", topology="v5e:4x4")
+    assert dict(mesh.shape) == {"data": 8, "fsdp": 2, "tensor": 1}
+    assert len({d.id for d in mesh.devices.flat}) == 16

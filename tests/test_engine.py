@@ -256,6 +256,14 @@ def test_fixed_length_verifies_gamma_per_occupied_slot(setup):
         assert [r.token_ids for r in results] == refs
         assert engine.stats.budget_sum > 3 * engine.stats.rounds
         assert engine.compilations_after_warmup == 0
+        # The simulator's prefill cost table: only once stopped, from warmed-up shapes.
+        with pytest.raises(RuntimeError, match="stopped engine"):
+            engine.profile_prefill()
+        engine.shutdown(timeout=30)
+        table = engine.profile_prefill(repeats=1)
+        assert set(table) == {(b, t) for t in engine.prompt_buckets for b in engine.prefill_rows}
+        assert all(s > 0 for s in table.values())
+        assert engine.compilations_after_warmup == 0
     finally:
         engine.shutdown(drain=False, timeout=30)
 

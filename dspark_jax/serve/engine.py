@@ -58,8 +58,8 @@ from dspark_jax.decode.step import (
     SpeculativeDecoder,
     StepConfig,
 )
+from dspark_jax.sched import budget as budget_lib
 from dspark_jax.sched import sps as sps_lib
-from dspark_jax.sched import topk as topk_sched
 from dspark_jax.tokenizer import IncrementalDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -532,7 +532,7 @@ class Engine:
         if self.two_phase:
             plan = dec.plan(state)
             need = int(jax.device_get(plan.lengths).sum())
-            budget = next(k for k in self.verify_buckets if k >= need)
+            budget = budget_lib.smallest_bucket(self.verify_buckets, need)
             state, out = dec.commit(state, plan, budget)
             return state, out, budget
         budget = self._next_budget()
@@ -579,6 +579,29 @@ class Engine:
         # The serving state starts clean (no slot active).
         self._state = self.decoder.init_state(self.config.seed)
         self._baseline = self._cache_entries()
+
+    def profile_prefill(self, repeats: int = 3) -> dict[tuple[int, int], float]:
+        """Median seconds of one prefill call per compiled ``(rows, prompt bucket)``, on a
+        fresh decode state (for the serving simulator's cost model). Only on an engine that
+        is not running: the loop thread owns the serving state."""
+        if self.running or self.starting:
+            raise RuntimeError("profile_prefill needs a stopped engine (shutdown() first)")
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        state = self.decoder.init_state(self.config.seed)
+        out: dict[tuple[int, int], float] = {}
+        for t in self.prompt_buckets:
+            ids = [1] * min(t, self.max_prompt_tokens)
+            for b in self.prefill_rows:
+                rows = [(s, ids, 2, 0, 0, 1) for s in range(b)]
+                times = []
+                for _ in range(repeats + 1):  # the first call only warms the caches
+                    t0 = time.perf_counter()
+                    state, pre = self._prefill_many(state, rows)
+                    jax.block_until_ready(pre)
+                    times.append(time.perf_counter() - t0)
+                out[(b, t)] = float(np.median(times[1:]))
+        return out
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self, background: bool = False) -> Engine:
@@ -849,20 +872,16 @@ class Engine:
                 self._process_oldest()
 
     def _next_budget(self) -> int:
-        if self.scheduler in ("fixed", "threshold"):
-            # Occupied slots include any that finish in the round still in flight, so this
-            # is an upper bound on the drafts the device will ask to verify.
-            need = self.gamma * sum(a is not None for a in self._slots)
-            return next(k for k in self.verify_buckets if k >= need)
-        if self.scheduler != "topk":
-            return self.verify_buckets[-1]
-        if not self._history:
-            return self.verify_buckets[-1]
-        # The newest processed round: two rounds before the one being dispatched.
-        survival, active = self._history[-1]
-        if not active.any():
-            return self.verify_buckets[0]
-        return topk_sched.choose_budget(survival, self._sps_dense, self.verify_buckets, active)
+        last = self._history[-1] if self._history else (None, None)
+        return budget_lib.next_budget(
+            self.scheduler,
+            self.verify_buckets,
+            gamma=self.gamma,
+            occupied=sum(a is not None for a in self._slots),
+            last_survival=last[0],
+            last_active=last[1],
+            sps_table=self._sps_dense,
+        )
 
     def _process_oldest(self) -> None:
         # Popped only once processed, so ``idle`` never reads True while an output is

@@ -101,6 +101,12 @@ def topology_devices(name: str) -> list:
     try:
         topo = topologies.get_topology_desc(platform="tpu", topology_name=name)
     except Exception as e:  # libtpu's own message names the bad chip or shape
+        if "lockfile" in str(e):
+            raise ValueError(
+                f"--aot-topology {name!r}: another process holds libtpu's lock "
+                "(/tmp/libtpu_lockfile), e.g. a second AOT compile on this host. Wait for it, "
+                "or set ALLOW_MULTIPLE_LIBTPU_LOAD=1 when no process is using real TPU chips"
+            ) from None
         raise ValueError(
             f"--aot-topology {name!r} is not a TPU topology libtpu knows "
             f"(e.g. {', '.join(TPU_TOPOLOGY_EXAMPLES)}): {e}"
@@ -368,6 +374,7 @@ def compile_train_step(
         "seq_len": int(cfg.data.seq_len),
         "compute_dtype": cfg.train.compute_dtype,
         "remat": _remat_of(task),
+        "anchors_per_seq": _anchors_of(cfg),
         "lower_s": round(t1 - t0, 2),
         "compile_s": round(t2 - t1, 2),
         "trainable_params": _count(params),
@@ -386,6 +393,12 @@ def compile_train_step(
         "memory": memory_fields(compiled),
     }
     return _with_fit(report, device_memory_gb), compiled
+
+
+def _anchors_of(cfg) -> int | None:
+    """Supervised draft blocks per sequence (drafter tasks; None for the others)."""
+    drafter = cfg.get("drafter")
+    return None if drafter is None else drafter.get("anchors_per_seq")
 
 
 def _remat_of(task) -> str | None:

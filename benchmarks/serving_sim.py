@@ -1,0 +1,444 @@
+"""Serving simulation on modelled hardware (Figs. 7–8 analog where the paper runs them),
+with the bundled drafters' recorded rounds replayed through the project's schedulers
+(``dspark_jax/perf/serving_sim.py``).
+
+    python benchmarks/serving_sim.py                  # modelled v5p (roofline SPS tables)
+    python benchmarks/serving_sim.py --validate       # against the CPU serving benchmark
+
+Default mode: every arm (no speculation, MTP-1, fixed γ, static threshold, Algorithm 1,
+dynamic top-K) at concurrency 1–256 on an engine of ``R`` slots whose round takes
+``1 / SPS(R + K)`` from the roofline's modelled tables (``benchmarks/roofline.py``, one per
+drafter: ``--drafter dspark|mtp1|none``; the compiled round includes drafting), twice:
+with today's compiled round and at its byte/flop floor (what the kernels issue aims for).
+Prefill is modelled from a hand count (max(flops / peak, weight bytes / HBM bandwidth)), the
+host's work per round is the CPU engine's measured one. Requests replay the T = 1
+acceptance runs' per-round records (``benchmarks/results/acceptance*.rounds.npz``: every
+draft verified, so each round's confidences and all-drafts acceptance are known) of the
+serving benchmark's prompt sets.
+
+``--validate``: the same simulator with the CPU serving benchmark's own settings, SPS
+tables and prefill times (``serving_t1.json``'s ``cost_model``), compared level by level
+with what that benchmark measured: ordering of arms and throughput ratio.
+Writes ``<out>.json`` and ``<out>.md`` (and PNGs for the modelled run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+# The serving benchmark's prompt mix (benchmarks/serving.py load_prompts), in its order.
+SERVING_SETS = ("humaneval", "mbpp", "gsm8k", "mt-bench")
+ACCEPTANCE_FILES = ("acceptance.json", "acceptance_other_sets.json")
+ARMS = (  # (arm name, scheduler, drafter) as benchmarks/serving.py builds them
+    ("no speculation", "none", None),
+    ("MTP-1", "fixed", "mtp1"),
+    ("fixed γ", "fixed", "dspark"),
+    ("static threshold", "threshold", "dspark"),
+    ("Algorithm 1", "prefix", "dspark"),
+    ("dynamic top-K", "topk", "dspark"),
+)
+
+
+def load_traces(drafter: str, temperature: float = 1.0, results_dir: str = RESULTS):
+    """Per-prompt traces of one bundled drafter at ``temperature`` over the serving sets,
+    calibrated with the drafter's shipped STS (as the server applies it)."""
+    from dspark_jax.eval.calibration import load_sts
+    from dspark_jax.perf.serving_sim import traces_from_records
+
+    by_set = {}
+    for fname in ACCEPTANCE_FILES:
+        path = os.path.join(results_dir, fname)
+        if not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            res = json.load(f)
+        rounds = np.load(path.replace(".json", ".rounds.npz"))
+        for i, e in enumerate(res["results"]):
+            if e["drafter"] != drafter or e["temperature"] != temperature:
+                continue
+            if e["prompt_set"] not in SERVING_SETS:
+                continue
+            gamma = 1 if e["kind"] == "mtp1" else e["gamma"]
+            sts = load_sts(os.path.join(REPO, e["drafter_path"]), gamma)
+            z = rounds[f"{i}/confidence_logits"] if f"{i}/confidence_logits" in rounds else None
+            by_set[e["prompt_set"]] = traces_from_records(
+                rounds[f"{i}/prompt_index"],
+                rounds[f"{i}/accepted"],
+                gamma,
+                z,
+                None if sts is None or z is None else sts.temperatures,
+                None if sts is None or z is None else sts.biases,
+            )
+    missing = [s for s in SERVING_SETS if s not in by_set]
+    if missing:
+        raise SystemExit(
+            f"no T = {temperature:g} acceptance records of {drafter!r} for {missing} in "
+            f"{results_dir}: run `python -m dspark_jax.eval acceptance` (see BENCHMARKS.md)"
+        )
+    return [t for s in SERVING_SETS for t in by_set[s]]
+
+
+def no_speculation_traces(traces):
+    """One token per round, ending where the drafter's trace ended (its EOS or length)."""
+    from dspark_jax.perf.serving_sim import Trace
+
+    out = []
+    for t in traces:
+        n = int(np.sum(t.accepted + 1))
+        out.append(Trace(np.zeros(n, np.int64), np.ones((n, 1), np.float32)))
+    return out
+
+
+def _bucket_lookup(entries):
+    """``f(rows, tokens)`` from measured ``[{rows, bucket, seconds}]`` (next bucket up)."""
+    table = {}
+    for e in entries:
+        table.setdefault(e["rows"], []).append((e["bucket"], e["seconds"]))
+    for v in table.values():
+        v.sort()
+
+    def f(rows, tokens):
+        cands = table[min(r for r in table if r >= rows)]
+        return next((s for b, s in cands if b >= tokens), cands[-1][1])
+
+    return f
+
+
+def _level_rows(sim_fn, levels):
+    return [sim_fn(c) for c in levels]
+
+
+# ------------------------------------------------------------------------------------------
+# validation against the CPU serving benchmark
+# ------------------------------------------------------------------------------------------
+def validate(args) -> dict:
+    from dspark_jax.perf.serving_sim import Arm, Workload, simulate
+    from dspark_jax.sched.sps import SPSTable
+
+    with open(args.serving) as f:
+        bench = json.load(f)
+    if "cost_model" not in bench:
+        raise SystemExit(
+            f"{args.serving} has no cost_model: re-run benchmarks/serving.py (it records the "
+            "SPS and prefill tables the simulator replays)"
+        )
+    temperature = bench.get("temperature", 0.0)
+    traces = {
+        "dspark": load_traces("dspark", temperature),
+        "mtp1": load_traces("mtp1", temperature),
+    }
+    traces[None] = no_speculation_traces(traces["dspark"])
+    out = {"serving": os.path.relpath(args.serving, REPO), "arms": {}, "measured": {}}
+    for name, _, drafter in ARMS:
+        if name not in bench["arms"]:
+            continue
+        cm = bench["cost_model"][name]
+        arm = Arm(
+            name,
+            cm["scheduler"],
+            cm["gamma"],
+            SPSTable.from_json(cm["sps"]),
+            tuple(cm["verify_buckets"]),
+            threshold=cm["threshold"],
+            two_phase=cm["two_phase"],
+        )
+        measured = bench["arms"][name]
+        tl = [r["timeline"] for r in measured if r.get("timeline", {}).get("rounds")]
+        host = sum(x["dispatch_seconds"] + x["host_seconds"] for x in tl) / max(
+            sum(x["rounds"] for x in tl), 1
+        )
+        prefill = _bucket_lookup(cm["prefill_seconds"])
+        rows = []
+        for r in measured:
+            wl = Workload(
+                r["concurrency"],
+                bench["requests_per_client"],
+                bench["max_tokens"],
+                tuple(bench["prompt_tokens"]),
+                time_limit=bench.get("time_limit", math.inf),
+            )
+            sim = simulate(
+                arm,
+                traces[drafter],
+                wl,
+                slots=cm["slots"],
+                prefill_seconds=prefill,
+                prefill_batch=cm["prefill_batch"],
+                host_seconds=host,
+            )
+            sim.pop("budgets")
+            sim["measured_aggregate_tokens_per_second"] = r["aggregate_tokens_per_second"]
+            sim["sim_over_measured"] = (
+                sim["aggregate_tokens_per_second"] / r["aggregate_tokens_per_second"]
+            )
+            rows.append(sim)
+        out["arms"][name] = {"host_seconds_per_round": host, "rows": rows}
+    levels = sorted({r["concurrency"] for a in out["arms"].values() for r in a["rows"]})
+    order = []
+    for c in levels:
+        sim = {n: r["aggregate_tokens_per_second"] for n, a in out["arms"].items()
+               for r in a["rows"] if r["concurrency"] == c}  # fmt: skip
+        meas = {n: r["measured_aggregate_tokens_per_second"] for n, a in out["arms"].items()
+                for r in a["rows"] if r["concurrency"] == c}  # fmt: skip
+        order.append(
+            {
+                "concurrency": c,
+                "simulated": sorted(sim, key=sim.get, reverse=True),
+                "measured": sorted(meas, key=meas.get, reverse=True),
+            }
+        )
+    out["order"] = order
+    ratios = [r["sim_over_measured"] for a in out["arms"].values() for r in a["rows"]]
+    out["max_abs_error"] = max(abs(1 - x) for x in ratios)
+    out["mean_abs_error"] = float(np.mean([abs(1 - x) for x in ratios]))
+    return out
+
+
+def validation_markdown(res: dict) -> str:
+    lines = [
+        "# Serving simulator vs the CPU serving benchmark",
+        "",
+        f"Produced by `python benchmarks/serving_sim.py --validate` from `{res['serving']}` "
+        "(its SPS tables, measured prefill times, settings and host time per round) and the "
+        "T = 1 acceptance records of the same drafters. Aggregate tokens/s.",
+        "",
+        "| arm | concurrency | measured | simulated | simulated / measured | sim τ | "
+        "sim verify / round |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, a in res["arms"].items():
+        for r in a["rows"]:
+            lines.append(
+                f"| {name} | {r['concurrency']} | {r['measured_aggregate_tokens_per_second']:.1f}"
+                f" | {r['aggregate_tokens_per_second']:.1f} | {r['sim_over_measured']:.2f} | "
+                f"{r['mean_tau']:.2f} | {r['mean_verify_budget_per_request']:.2f} |"
+            )
+    lines += [
+        "",
+        f"Mean |simulated / measured − 1| = {res['mean_abs_error']:.1%}, largest "
+        f"{res['max_abs_error']:.1%}.",
+        "",
+        "Arm order by aggregate throughput (best first):",
+        "",
+    ]
+    for o in res["order"]:
+        same = "same" if o["simulated"] == o["measured"] else "differs"
+        lines.append(
+            f"- c = {o['concurrency']} ({same}): measured {' > '.join(o['measured'])}; "
+            f"simulated {' > '.join(o['simulated'])}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------
+# modelled TPU
+# ------------------------------------------------------------------------------------------
+def _roofline(prefix: str, drafter: str) -> dict:
+    path = prefix + ("" if drafter == "dspark" else f"_{drafter}") + ".json"
+    if not os.path.isfile(path):
+        flag = "" if drafter == "dspark" else f" --drafter {drafter}"
+        raise SystemExit(
+            f"{path} not found: run `python benchmarks/roofline.py --topology ... --tensor ..."
+            f"{flag}` first"
+        )
+    with open(path) as f:
+        return json.load(f)
+
+
+def modelled_prefill(roof: dict):
+    """Prefill seconds from a hand count on the roofline's chip: max(flops / peak, target
+    weight bytes / HBM bandwidth), per chip (a derived figure, not a compiled one)."""
+    from dspark_jax.models.presets import get_preset
+    from dspark_jax.perf.roofline import target_forward_flops
+
+    target = get_preset(roof["target"])
+    chip = roof["chip"]
+    n_chips = math.prod(roof["mesh"].values())
+    weights = roof["rows"][0]["floor_parts"]["target_weights"]
+
+    def f(rows, tokens):
+        flops = target_forward_flops(target, rows * tokens, max(tokens // 2, 1)) / n_chips
+        return max(flops / (chip["bf16_tflops"] * 1e12), weights / (chip["hbm_gb_per_s"] * 1e9))
+
+    return f
+
+
+def modelled(args) -> dict:
+    from dspark_jax.perf.serving_report import serving_goals
+    from dspark_jax.perf.serving_sim import Arm, Workload, simulate
+    from dspark_jax.sched.sps import SPSTable
+
+    roofs = {d: _roofline(args.roofline, d) for d in ("dspark", "mtp1", "none")}
+    slots = roofs["dspark"]["slots"]
+    gamma = roofs["dspark"]["drafter"]["gamma"]
+    for d, r in roofs.items():
+        if r["slots"] != slots or r["max_len"] != roofs["dspark"]["max_len"]:
+            raise SystemExit(f"the {d} roofline has other slots/max_len than the DSpark one")
+    with open(args.serving) as f:
+        bench = json.load(f)
+    temperature = bench.get("temperature", 1.0)
+    tl = [
+        x["timeline"] for x in bench["arms"]["dynamic top-K"] if x.get("timeline", {}).get("rounds")
+    ]
+    host = sum(x["dispatch_seconds"] + x["host_seconds"] for x in tl) / max(
+        sum(x["rounds"] for x in tl), 1
+    )
+    traces = {
+        "dspark": load_traces("dspark", temperature),
+        "mtp1": load_traces("mtp1", temperature),
+    }
+    traces[None] = no_speculation_traces(traces["dspark"])
+    prompt_tokens = tuple(bench["prompt_tokens"])
+    prefill = modelled_prefill(roofs["dspark"])
+    levels = [int(c) for c in args.concurrency.split(",")]
+    out = {
+        "roofline": os.path.relpath(args.roofline, REPO),
+        "topology": roofs["dspark"]["topology"],
+        "tensor": roofs["dspark"]["tensor"],
+        "slots": slots,
+        "gamma": gamma,
+        "temperature": temperature,
+        "host_seconds_per_round": host,
+        "max_tokens": args.max_tokens,
+        "requests_per_client": args.requests_per_client,
+        "curves": {},
+    }
+    for curve, field in (("compiled", "modelled_ms"), ("floor", "floor_ms")):
+        tables = {d: SPSTable.from_seconds({x["B"]: x[field] / 1e3 for x in r["rows"]})
+                  for d, r in roofs.items()}  # fmt: skip
+        arms = {}
+        for name, scheduler, drafter in ARMS:
+            kind = drafter or "none"
+            g = {"dspark": gamma, "mtp1": 1, "none": 0}[kind]
+            # The budgets the roofline compiled (its SPS is known only there).
+            compiled = sorted(x["budget"] for x in roofs[kind]["rows"] if x["budget"] > 0)
+            buckets = (0,) if g == 0 else tuple(compiled)
+            arm = Arm(name, scheduler, g, tables[kind], buckets,
+                      two_phase=scheduler == "prefix" and len(buckets) > 1)  # fmt: skip
+            rows = []
+            for c in levels:
+                wl = Workload(c, args.requests_per_client, args.max_tokens, prompt_tokens)
+                r = simulate(arm, traces[drafter], wl, slots=slots, prefill_seconds=prefill,
+                             host_seconds=host)  # fmt: skip
+                r.pop("budgets")
+                rows.append(r)
+                print(
+                    f"[sim {curve}] {name:<17} c={c:<4} agg {r['aggregate_tokens_per_second']:9.0f}"
+                    f" tok/s  user {r['per_user_tokens_per_second']:7.1f}  τ {r['mean_tau']:.2f}"
+                    f"  K {r['mean_round_budget']:.0f}",
+                    flush=True,
+                )
+            arms[name] = rows
+        out["curves"][curve] = {"arms": arms, "goals": serving_goals(arms)}
+    return out
+
+
+def modelled_markdown(res: dict) -> str:
+    lines = [
+        f"# Simulated serving on modelled {res['topology']} (tensor = {res['tensor']})",
+        "",
+        f"Produced by `python benchmarks/serving_sim.py` from `{res['roofline']}*.json` (the "
+        "roofline's modelled round time per B = R + K for DSpark, MTP-1 and no speculation) and "
+        f"the bundled drafters' T = {res['temperature']:g} acceptance records; R = "
+        f"{res['slots']} slots, γ = {res['gamma']}, {res['requests_per_client']} requests per "
+        f"client of at most {res['max_tokens']} tokens (traces end at the drafter run's own "
+        f"EOS/64 tokens), prefill from a hand count, host {1e3 * res['host_seconds_per_round']:.2f}"
+        " ms per round (the CPU engine's measured). Above R clients requests queue. "
+        "`compiled`: today's round as XLA:TPU compiles it; `floor`: the same round if it moved "
+        "only the bytes it must (the kernels issue's target). Modelled, not measured.",
+        "",
+    ]
+    for curve, data in res["curves"].items():
+        lines += [
+            f"## Round cost: {curve}",
+            "",
+            "| arm | concurrency | aggregate tok/s | per-user tok/s | τ | verify / request-round "
+            "| mean K |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, rows in data["arms"].items():
+            for r in rows:
+                lines.append(
+                    f"| {name} | {r['concurrency']} | {r['aggregate_tokens_per_second']:.0f} | "
+                    f"{r['per_user_tokens_per_second']:.1f} | {r['mean_tau']:.2f} | "
+                    f"{r['mean_verify_budget_per_request']:.2f} | {r['mean_round_budget']:.0f} |"
+                )
+        lines += data["goals"] + [""]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, prefix: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for curve, data in res["curves"].items():
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for name, rows in data["arms"].items():
+            c = [r["concurrency"] for r in rows]
+            agg = [r["aggregate_tokens_per_second"] for r in rows]
+            axes[0].plot(c, agg, marker="o", label=name)
+            axes[1].plot(
+                agg, [r["per_user_tokens_per_second"] for r in rows], marker="o", label=name
+            )
+        axes[0].set_xscale("log", base=2)
+        axes[0].set_xlabel("concurrency")
+        axes[0].set_ylabel("aggregate tokens/s")
+        axes[1].set_xlabel("aggregate tokens/s")
+        axes[1].set_ylabel("per-user tokens/s")
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle(f"simulated serving, {res['topology']} tensor {res['tensor']}, round {curve}")
+        fig.tight_layout()
+        fig.savefig(f"{prefix}_{curve}.png", dpi=110)
+        plt.close(fig)
+
+
+def main(argv=None) -> int:
+    from dspark_jax.cli import run_main
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--validate", action="store_true", help="compare with the CPU benchmark")
+    p.add_argument("--serving", default=os.path.join(RESULTS, "serving_t1.json"),
+                   help="serving benchmark JSON (settings, cost model, host time)")  # fmt: skip
+    p.add_argument("--roofline", default=os.path.join(RESULTS, "roofline_v5p_2x2x1_tp4"),
+                   help="roofline output prefix; _mtp1 and _none files beside it")  # fmt: skip
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument("--out", default=None, help="output prefix")
+    args = p.parse_args(argv)
+
+    def cli(args):
+        if args.validate:
+            res = validate(args)
+            out = args.out or os.path.join(RESULTS, "serving_sim_validation")
+            text = validation_markdown(res)
+        else:
+            res = modelled(args)
+            tag = os.path.basename(args.roofline).removeprefix("roofline_")
+            out = args.out or os.path.join(RESULTS, f"serving_sim_{tag}")
+            text = modelled_markdown(res)
+            plot(res, out)
+        with open(out + ".json", "w") as f:
+            json.dump(res, f, indent=1)
+        with open(out + ".md", "w") as f:
+            f.write(text)
+        print(f"wrote {out}.json and .md")
+
+    return run_main(cli, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
