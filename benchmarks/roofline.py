@@ -73,7 +73,7 @@ def parse_args(argv=None):
 
 
 def run(args) -> dict:
-    from dspark_jax.decode.runner import default_buckets
+    from dspark_jax.decode.policy import default_buckets
     from dspark_jax.models.drafter_config import DrafterConfig
     from dspark_jax.models.presets import get_preset
     from dspark_jax.perf import roofline as rl

@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decode.runner import default_buckets
+from dspark_jax.decode.policy import default_buckets
 from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
 from dspark_jax.models.drafters import DrafterConfig, init_drafter_params, make_drafter
 from dspark_jax.models.presets import get_preset

@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
     import flax.linen as nn
 
     from dspark_jax.convert import load_hf
-    from dspark_jax.decode.runner import Request, Runner, profile_decoder_sps
+    from dspark_jax.decode.runner import Request, Runner
     from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
     from dspark_jax.models.drafter_io import load_drafter
     from dspark_jax.models.qwen3 import Qwen3
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> dict:
             scheduler,
             f"sampling={config.sampling}",
         )
-        table = profile_decoder_sps(decoder, runner.buckets, cache_path, key)
+        table = runner.policy.profile_sps(cache_path=cache_path, key=key)
         print(f"SPS(B) for B={list(table.buckets)}: {[round(s, 1) for s in table.sps]}")
 
     from dspark_jax.decode.autoregressive import length_bucket

@@ -286,8 +286,15 @@ _SLOW = pytest.mark.slow
     ],
 )
 def test_greedy_matches_autoregressive(target, kind, mode):
-    dec, _, _ = _greedy_case(target, kind, mode, n_prompts=7, max_new=10)
-    assert dec._round._cache_size() == 1 and dec._prefill._cache_size() == 1
+    dec, runner, st = _greedy_case(target, kind, mode, n_prompts=7, max_new=10)
+    assert dec._prefill._cache_size() == 1
+    if mode == "none":
+        assert runner.buckets == (0,) and dec._round._cache_size() == 1
+    else:
+        # The server's rule (decode/policy.py): the smallest bucket holding γ drafts per
+        # occupied slot, so the last rounds, with slots free, verify in smaller shapes.
+        assert 1 < dec._round._cache_size() <= 3  # at most one per occupancy level
+        assert st.mean_budget < dec.full_budget
 
 
 @pytest.mark.parametrize("mode", ["topk", "prefix"])

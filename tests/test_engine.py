@@ -13,7 +13,7 @@ import pytest
 
 from dspark_jax.data.tokenizer_train import train_bpe_tokenizer
 from dspark_jax.decode.autoregressive import generate
-from dspark_jax.decode.runner import default_buckets
+from dspark_jax.decode.policy import default_buckets
 from dspark_jax.serve.engine import (
     Delta,
     Engine,

@@ -4,14 +4,10 @@ Prompts wait in a queue; a free slot gets the next prompt (prefill in a length b
 every round advances all active slots, finished slots are refilled. Per sample it records
 the generated ids, the finish reason and, per round, the tokens accepted and verified.
 
-Verify budgets (compiled buckets K, draft tokens per round):
-
-* ``fixed`` / ``threshold`` / ``none``: one bucket, K = R·γ (one fused round).
-* ``topk``: dynamic top-K; K comes from the survivals of two rounds back (the host never
-  waits on the round in flight), rounded up to a bucket; one fused round per bucket.
-* ``prefix`` (synchronous Algorithm 1): with more than one bucket each round runs as
-  ``plan`` (draft + Algorithm 1) -> host reads ``Σ l`` -> ``commit`` in the smallest bucket
-  ``K >= Σ l``, so pruned tokens save real compute; with one bucket it is a fused round.
+Verify budgets (compiled buckets K, draft tokens per round) come from
+``decode.policy.RoundPolicy``, shared with the serving engine: none verifies the anchors
+only, fixed / threshold the smallest bucket holding γ per occupied slot, dynamic top-K the
+bucket chosen from round n − 2's survivals, Algorithm 1 plan → Σ ℓ → commit.
 """
 
 from __future__ import annotations
@@ -25,9 +21,11 @@ import jax
 import numpy as np
 
 from dspark_jax.decode.autoregressive import length_bucket
+from dspark_jax.decode.policy import RoundPolicy, default_buckets, profile_decoder_sps
 from dspark_jax.decode.step import FINISH_NAMES, FINISH_NONE, SpeculativeDecoder
-from dspark_jax.sched import sps as sps_lib
-from dspark_jax.sched import topk as topk_sched
+
+# Re-exported: callers built on the runner keep working.
+__all__ = ["Request", "Runner", "SampleResult", "default_buckets", "profile_decoder_sps"]
 
 
 @dataclasses.dataclass
@@ -69,37 +67,10 @@ class Request:
     prompt_index: int = 0
 
 
-def default_buckets(num_slots: int, gamma: int, count: int = 8) -> tuple[int, ...]:
-    """Evenly spaced verify budgets up to K = R·γ (dynamic top-K rounds up to these)."""
-    full = num_slots * gamma
-    return tuple(sorted({max(1, (full * i) // count) for i in range(1, count + 1)}))
-
-
-def profile_decoder_sps(
-    decoder: SpeculativeDecoder,
-    budgets: Sequence[int],
-    cache_path: str | None = None,
-    key: str | None = None,
-    repeats: int = 5,
-    warmup: int = 1,
-    progress=None,
-) -> sps_lib.SPSTable:
-    """Profile ``SPS(B)`` with the decoder's own compiled rounds (``B = R + K`` per bucket),
-    through the JSON cache when ``cache_path`` is given, and install it in the decoder.
-    ``progress(budget, i, n)``: see ``sps.profile_sps``."""
-    fns = decoder.profile_step_fns(budgets)
-    kw = dict(repeats=repeats, warmup=warmup, progress=progress)
-    if cache_path is None:
-        table = sps_lib.profile_sps(fns, **kw)
-    else:
-        if key is None:
-            raise ValueError("profile_decoder_sps: a cache_path needs a cache key")
-        table = sps_lib.load_or_profile(cache_path, key, fns, **kw)
-    decoder.set_sps_table(table)
-    return table
-
-
 class Runner:
+    """Offline generation over ``decoder``'s slots; shapes per round from a ``RoundPolicy``
+    (the one the serving engine uses), so the same scheduler verifies the same shapes."""
+
     def __init__(
         self,
         decoder: SpeculativeDecoder,
@@ -108,32 +79,11 @@ class Runner:
         seed: int = 0,
     ):
         self.decoder = decoder
-        cfg = decoder.config
-        if cfg.scheduler in ("topk", "prefix") and decoder.drafter is not None:
-            self.buckets = tuple(
-                sorted({int(b) for b in (buckets or default_buckets(cfg.num_slots, decoder.gamma))})
-            )
-            if not self.buckets or self.buckets[0] < 0 or self.buckets[-1] > decoder.full_budget:
-                raise ValueError(
-                    f"buckets must lie in [0, R·γ = {decoder.full_budget}]; got {self.buckets}"
-                )
-            if self.buckets[-1] != decoder.full_budget:
-                # The largest bucket must hold every draft, or a round could be trimmed.
-                self.buckets = self.buckets + (decoder.full_budget,)
-        else:
-            self.buckets = (decoder.full_budget,)
-        self.two_phase = cfg.scheduler == "prefix" and len(self.buckets) > 1
+        self.policy = RoundPolicy(decoder, buckets)
+        self.buckets = self.policy.buckets
+        self.two_phase = self.policy.two_phase
         self.record_details = record_details
         self.seed = seed
-
-    def _budget(self, history) -> int:
-        """Dynamic top-K: the budget comes from the round two rounds back, so the host
-        never waits on the round in flight; the full bucket until two rounds exist."""
-        if self.decoder.config.scheduler != "topk" or len(history) < 2:
-            return self.buckets[-1]
-        survival, active = history[-2]
-        table = np.asarray(self.decoder.sps_table)
-        return topk_sched.choose_budget(survival, table, self.buckets, active)
 
     def warmup(self, prompt_buckets: Sequence[int] = ()) -> None:
         """Compile every verify bucket (and the given prompt buckets) before timing."""
@@ -149,29 +99,8 @@ class Runner:
                 np.array([0]),
                 np.array([1.0], np.float32),
             )
-        if self.two_phase:
-            plan = self.decoder.plan(state)
-            for k in self.buckets:
-                state, out = self.decoder.commit(state, plan, k)
-        else:
-            for k in self.buckets:
-                state, out = self.decoder.round(state, k)
+        state = self.policy.warmup(state)
         jax.block_until_ready(state.seq_len)
-
-    def _step(self, state, history):
-        """One round: returns ``(state, output, budget used)``."""
-        dec = self.decoder
-        if self.two_phase:
-            plan = dec.plan(state)
-            # Synchronous: the host waits for Algorithm 1's lengths, then runs the smallest
-            # compiled bucket that holds them (the largest bucket is R·γ, so one always does).
-            need = int(jax.device_get(plan.lengths).sum())
-            budget = next(k for k in self.buckets if k >= need)
-            state, out = dec.commit(state, plan, budget)
-            return state, out, budget
-        budget = self._budget(history)
-        state, out = dec.round(state, budget)
-        return state, out, budget
 
     def generate(self, requests: Sequence[Request]) -> tuple[list[SampleResult], GenerationStats]:
         dec = self.decoder
@@ -190,7 +119,7 @@ class Runner:
         queue = collections.deque(enumerate(requests))
         slot_req: list[int | None] = [None] * cfg.num_slots
         results: dict[int, SampleResult] = {}
-        history: collections.deque = collections.deque(maxlen=2)
+        self.policy.reset()
         rounds, generated, budget_sum = 0, 0, 0
         start = time.perf_counter()
 
@@ -223,11 +152,12 @@ class Runner:
                         finish(slot, FINISH_NAMES[code])
             if not any(s is not None for s in slot_req):
                 continue
-            state, out, budget = self._step(state, history)
+            occupied = np.array([s is not None for s in slot_req])
+            state, out, budget, index = self.policy.dispatch(state, int(occupied.sum()))
             out = jax.device_get(out)
+            self.policy.observe(index, out.survival, occupied)
             rounds += 1
             budget_sum += budget
-            history.append((out.survival, np.array([s is not None for s in slot_req])))
             for slot, idx in enumerate(slot_req):
                 if idx is None:
                     continue

@@ -50,8 +50,7 @@ import numpy as np
 from dspark_jax.decode.sampling import process_logits, sample
 from dspark_jax.decode.verify import verify_greedy, verify_sampling
 from dspark_jax.models.qwen3 import KVCache, Qwen3, init_cache
-from dspark_jax.sched import prefix as prefix_sched
-from dspark_jax.sched import topk as topk_sched
+from dspark_jax.sched import policies
 
 Array = jax.Array
 
@@ -260,6 +259,11 @@ class SpeculativeDecoder:
     def full_budget(self) -> int:
         """The verify budget that holds every draft token: K = R·G."""
         return self.config.num_slots * self.gamma
+
+    def compiled_executables(self) -> int:
+        """Executables compiled so far for rounds, plans, commits and prefills (one per
+        shape; serving checks that none is added after warm-up)."""
+        return sum(f._cache_size() for f in (self._round, self._plan, self._commit, self._prefill))
 
     # -- the frozen target pieces the drafter shares --------------------------------------
     def _embed_fn(self, tp):
@@ -494,16 +498,14 @@ class SpeculativeDecoder:
         c, g = self.config, self.gamma
         if self.drafter is None or c.scheduler == "none":
             return jnp.zeros(survival.shape[:1], jnp.int32)
-        if c.scheduler == "fixed":
-            n = g if c.fixed_length is None else min(c.fixed_length, g)
-            lengths = jnp.full(survival.shape[:1], n, jnp.int32)
-        elif c.scheduler == "threshold":
-            # a is non-increasing along j, so "a >= threshold" is already a prefix.
-            lengths = jnp.sum(survival >= c.threshold, axis=1).astype(jnp.int32)
-        elif c.scheduler == "prefix":
-            lengths = prefix_sched.algorithm1(survival, sps_table, active).lengths
-        else:  # topk
-            lengths = topk_sched.admit_topk(survival, budget, active).lengths
+        # The arms' parameters; the rules themselves live in sched/policies.py.
+        params = {
+            "fixed": {"length": g if c.fixed_length is None else min(c.fixed_length, g)},
+            "threshold": {"threshold": c.threshold},
+            "prefix": {"sps_table": sps_table},
+            "topk": {"budget": budget},
+        }[c.scheduler]
+        lengths = policies.get_scheduler(c.scheduler)(survival, active, **params).lengths
         return jnp.where(active, lengths, 0)
 
     def _commit_impl(self, params, state: DecodeState, plan: Plan, budget: int):

@@ -51,14 +51,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.decode.autoregressive import length_bucket
-from dspark_jax.decode.runner import default_buckets, profile_decoder_sps
+from dspark_jax.decode.policy import RoundPolicy
 from dspark_jax.decode.step import (
     FINISH_EOS,
     FINISH_NONE,
     SpeculativeDecoder,
     StepConfig,
 )
-from dspark_jax.sched import budget as budget_lib
 from dspark_jax.sched import sps as sps_lib
 from dspark_jax.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -270,7 +269,7 @@ class EngineConfig:
     num_slots: decode slots R. max_len: cache positions per slot (prompt + output).
     scheduler: none | fixed | threshold | prefix | topk (DESIGN §5.3).
     max_queue: bound of the admission queue (full -> ``QueueFull``).
-    verify_buckets: compiled verify budgets K (default ``runner.default_buckets``): topk
+    verify_buckets: compiled verify budgets K (default ``policy.default_buckets``): topk
       rounds its budget up to one, prefix its Σ l, fixed/threshold γ per occupied slot;
       SPS is profiled on these for ``prefix``/``topk``.
     sps_cache: JSON file caching the SPS table (``sched.sps.load_or_profile``); None = none.
@@ -395,28 +394,13 @@ class Engine:
             sts_biases=None if sts is None else sts.biases,
         )
         self.gamma = self.decoder.gamma
-        r, g = cfg.num_slots, self.gamma
-        full = self.decoder.full_budget
-        # Compiled verify budgets K. topk rounds its budget up to one of them; prefix runs
-        # plan -> smallest bucket >= Σ l -> commit (runner's two-phase mode); fixed and
-        # threshold verify at most γ drafts per occupied slot, so they take the smallest
-        # bucket that holds γ per occupied slot (known on the host without waiting on the
-        # device; like padding a batch to a captured size) instead of R·γ rows for a lightly
-        # loaded server. The largest bucket always holds every draft. No speculation
-        # verifies only the R anchors (K = 0).
-        if scheduler == "none":
-            self.verify_buckets = (0,)
-        else:
-            buckets = set(cfg.verify_buckets or default_buckets(r, g)) | {full}
-            if any(not 0 <= b <= full for b in buckets):
-                raise ValueError(
-                    f"verify_buckets must lie in [0, R·γ = {full}]; got {sorted(buckets)}"
-                )
-            self.verify_buckets = tuple(sorted(buckets))
-        self.two_phase = scheduler == "prefix" and len(self.verify_buckets) > 1
+        # Verify buckets, the budget rule, two-phase Algorithm 1 and warm-up of the rounds:
+        # the same policy the offline runner uses (decode/policy.py).
+        self.policy = RoundPolicy(self.decoder, cfg.verify_buckets)
+        self.verify_buckets = self.policy.buckets
+        self.two_phase = self.policy.two_phase
         self.prompt_buckets = self._prompt_buckets(cfg.max_len)
         self.sps_table: sps_lib.SPSTable | None = None
-        self._sps_dense: np.ndarray | None = None
 
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -425,7 +409,6 @@ class Engine:
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._slots: list[_Active | None] = [None] * cfg.num_slots
         self._inflight: collections.deque = collections.deque()
-        self._history: collections.deque = collections.deque(maxlen=2)
         self._accepting = False
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -457,8 +440,7 @@ class Engine:
 
     # -- warm-up -------------------------------------------------------------------------
     def _cache_entries(self) -> int:
-        d = self.decoder
-        return sum(f._cache_size() for f in (d._round, d._plan, d._commit, d._prefill))
+        return self.decoder.compiled_executables()
 
     @property
     def compilations_after_warmup(self) -> int:
@@ -515,29 +497,12 @@ class Engine:
             f"gamma={self.gamma}",
             f"max_len={cfg.max_len}",
         )
-        self.sps_table = profile_decoder_sps(
-            self.decoder,
-            self.verify_buckets,
+        self.sps_table = self.policy.profile_sps(
             cache_path=cfg.sps_cache,
             key=key,
             repeats=cfg.sps_repeats,
             progress=lambda b, i, n: self._progress("profiling SPS", i, n, f"B = {b}"),
         )
-        self._sps_dense = np.asarray(self.decoder.sps_table)
-
-    def _dispatch_round(self, state):
-        """Dispatch one round; returns ``(state, output, budget)`` without waiting for it
-        (except two-phase prefix, which must read Algorithm 1's Σ l first)."""
-        dec = self.decoder
-        if self.two_phase:
-            plan = dec.plan(state)
-            need = int(jax.device_get(plan.lengths).sum())
-            budget = budget_lib.smallest_bucket(self.verify_buckets, need)
-            state, out = dec.commit(state, plan, budget)
-            return state, out, budget
-        budget = self._next_budget()
-        state, out = dec.round(state, budget)
-        return state, out, budget
 
     def _progress(self, phase: str, done: int, total: int, detail: str = "") -> None:
         """Warm-up progress: logged (serve.py prints it on stderr) and kept for /health."""
@@ -564,15 +529,11 @@ class Engine:
                         self._progress("compiling prefill", i, n_prefill, f"{b} x {t} tokens")
                     state, _ = self._prefill_many(state, [(s, ids, 2, 0, 0, 1) for s in range(b)])
             state = self._fill_all_slots(state)
-            plan = self.decoder.plan(state) if self.two_phase else None
-            for i, k in enumerate(self.verify_buckets, 1):
-                if shown:
-                    n = len(self.verify_buckets)
-                    self._progress("compiling verify round", i, n, f"B = {r + k}")
-                if self.two_phase:
-                    state, _ = self.decoder.commit(state, plan, k)
-                else:
-                    state, _ = self.decoder.round(state, k)
+
+            def on_bucket(k, i, n):
+                self._progress("compiling verify round", i, n, f"B = {r + k}")
+
+            state = self.policy.warmup(state, on_bucket if shown else None)
             state = self.decoder.release(state, 0)
             state = state._replace(rng=jax.random.key(self.config.seed))
         jax.block_until_ready(state.seq_len)
@@ -855,13 +816,14 @@ class Engine:
                 self._slots[slot] = a
                 owners[slot] = (a, i)
                 self.stats.prompt_tokens += len(h.prompt_ids)
-            self._inflight.append(("prefill", pre, owners, 0, 0.0))
+            self._inflight.append(("prefill", pre, owners, 0, 0.0, -1))
 
         owners = list(self._slots)
         if any(a is not None for a in owners):
             t_dispatch = time.perf_counter()
-            self._state, out, budget = self._dispatch_round(self._state)
-            self._inflight.append(("round", out, owners, budget, t_dispatch))
+            occupied = sum(a is not None for a in owners)
+            self._state, out, budget, index = self.policy.dispatch(self._state, occupied)
+            self._inflight.append(("round", out, owners, budget, t_dispatch, index))
             self.stats.dispatch_seconds += time.perf_counter() - t0
             # Process everything older than the round just dispatched (overlaps with it).
             while len(self._inflight) > 1:
@@ -870,18 +832,6 @@ class Engine:
             self.stats.dispatch_seconds += time.perf_counter() - t0
             while self._inflight:
                 self._process_oldest()
-
-    def _next_budget(self) -> int:
-        last = self._history[-1] if self._history else (None, None)
-        return budget_lib.next_budget(
-            self.scheduler,
-            self.verify_buckets,
-            gamma=self.gamma,
-            occupied=sum(a is not None for a in self._slots),
-            last_survival=last[0],
-            last_active=last[1],
-            sps_table=self._sps_dense,
-        )
 
     def _process_oldest(self) -> None:
         # Popped only once processed, so ``idle`` never reads True while an output is
@@ -900,7 +850,7 @@ class Engine:
             self.stats.host_seconds += time.perf_counter() - t_host
 
     def _process_output(self, item, out) -> None:
-        kind, _, owners, budget, t_dispatch = item
+        kind, _, owners, budget, t_dispatch, index = item
         if kind == "prefill":
             for s, entry in enumerate(owners):
                 if entry is None or entry[0].done:
@@ -911,9 +861,7 @@ class Engine:
         now = time.perf_counter()
         seconds = now - max(t_dispatch, self._last_ready)
         self._last_ready = now
-        active = np.array([a is not None for a in owners])
-        if self.scheduler == "topk":
-            self._history.append((np.asarray(out.survival), active))
+        self.policy.observe(index, out.survival, [a is not None for a in owners])
         taus = []
         for s, a in enumerate(owners):
             if a is None or a.done:

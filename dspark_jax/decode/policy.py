@@ -1,0 +1,162 @@
+"""The round policy: which compiled shape each decode round runs (DESIGN §5.3).
+
+One object, used by both host loops (the offline ``decode.runner.Runner`` and the serving
+``serve.engine.Engine``), so offline evaluation and serving verify the same shapes for the
+same scheduler:
+
+* verify buckets: compiled budgets ``K`` (draft tokens per round). ``none`` verifies only
+  the anchors (``K = 0``); every other arm gets ``default_buckets`` (or the caller's) plus
+  ``R·γ``, so the largest bucket always holds every draft;
+* the budget of the next round (``sched.budget.next_budget``): fixed / threshold take the
+  smallest bucket holding γ drafts per occupied slot, dynamic top-K the bucket
+  ``choose_budget`` picks from the survivals of round ``n − 2`` (the newest a pipelined
+  host has processed when it dispatches round ``n``: the host never waits on the round in
+  flight), one-phase prefix the largest;
+* two-phase Algorithm 1 (``prefix`` with several buckets): ``plan`` → read Σ ℓ → ``commit``
+  in the smallest bucket holding it, so pruned drafts save real compute;
+* warm-up (every verify bucket compiled), SPS profiling on the decoder's own rounds, and
+  the count of compiled executables (``SpeculativeDecoder.compiled_executables``).
+
+A host loop calls ``dispatch(state, occupied)`` for each round and ``observe(index,
+survival, active)`` when it has read that round's output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from dspark_jax.decode.step import SpeculativeDecoder
+from dspark_jax.sched import budget as budget_lib
+from dspark_jax.sched import sps as sps_lib
+
+__all__ = ["RoundPolicy", "default_buckets", "profile_decoder_sps"]
+
+
+def default_buckets(num_slots: int, gamma: int, count: int = 8) -> tuple[int, ...]:
+    """Evenly spaced verify budgets up to K = R·γ (dynamic top-K rounds up to these)."""
+    full = num_slots * gamma
+    return tuple(sorted({max(1, (full * i) // count) for i in range(1, count + 1)}))
+
+
+def profile_decoder_sps(
+    decoder: SpeculativeDecoder,
+    budgets: Sequence[int],
+    cache_path: str | None = None,
+    key: str | None = None,
+    repeats: int = 5,
+    warmup: int = 1,
+    progress=None,
+) -> sps_lib.SPSTable:
+    """Profile ``SPS(B)`` with the decoder's own compiled rounds (``B = R + K`` per bucket),
+    through the JSON cache when ``cache_path`` is given, and install it in the decoder.
+    ``progress(budget, i, n)``: see ``sps.profile_sps``."""
+    fns = decoder.profile_step_fns(budgets)
+    kw = dict(repeats=repeats, warmup=warmup, progress=progress)
+    if cache_path is None:
+        table = sps_lib.profile_sps(fns, **kw)
+    else:
+        if key is None:
+            raise ValueError("profile_decoder_sps: a cache_path needs a cache key")
+        table = sps_lib.load_or_profile(cache_path, key, fns, **kw)
+    decoder.set_sps_table(table)
+    return table
+
+
+class RoundPolicy:
+    """Verify buckets, the budget rule, two-phase mode and warm-up of one decoder."""
+
+    def __init__(self, decoder: SpeculativeDecoder, buckets: Sequence[int] | None = None):
+        self.decoder = decoder
+        cfg = decoder.config
+        self.scheduler = cfg.scheduler if decoder.drafter is not None else "none"
+        full = decoder.full_budget
+        if self.scheduler == "none":
+            self.buckets: tuple[int, ...] = (0,)
+        else:
+            given = {int(b) for b in (buckets or default_buckets(cfg.num_slots, decoder.gamma))}
+            if any(not 0 <= b <= full for b in given):
+                raise ValueError(
+                    f"verify buckets must lie in [0, R·γ = {full}]; got {sorted(given)}"
+                )
+            self.buckets = tuple(sorted(given | {full}))
+        self.two_phase = self.scheduler == "prefix" and len(self.buckets) > 1
+        self._observed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._next_index = 0
+        self._sps_src = None  # the decoder table _sps_dense was copied from
+        self._sps_dense: np.ndarray | None = None
+
+    # -- the budget ----------------------------------------------------------------------
+    def next_budget(self, occupied: int) -> int:
+        """Budget of the round about to be dispatched (one-phase arms)."""
+        old = self._observed.get(self._next_index - 2)
+        return budget_lib.next_budget(
+            self.scheduler,
+            self.buckets,
+            gamma=self.decoder.gamma,
+            occupied=occupied,
+            last_survival=None if old is None else old[0],
+            last_active=None if old is None else old[1],
+            sps_table=self._host_sps() if old is not None else None,
+        )
+
+    def _host_sps(self) -> np.ndarray | None:
+        """The decoder's SPS table on the host, fetched once per installed table (never
+        per round: the host must not queue a transfer behind the round in flight)."""
+        table = self.decoder.sps_table
+        if table is None:
+            return None
+        if self._sps_src is not table:
+            self._sps_src, self._sps_dense = table, np.asarray(table)
+        return self._sps_dense
+
+    def dispatch(self, state, occupied: int):
+        """Run round ``n`` without waiting for it (two-phase prefix reads its plan's Σ ℓ
+        first). Returns ``(state, output, budget, n)``."""
+        dec = self.decoder
+        index = self._next_index
+        if self.two_phase:
+            plan = dec.plan(state)
+            need = int(jax.device_get(plan.lengths).sum())
+            budget = budget_lib.smallest_bucket(self.buckets, need)
+            state, out = dec.commit(state, plan, budget)
+        else:
+            budget = self.next_budget(occupied)
+            state, out = dec.round(state, budget)
+        self._next_index += 1
+        return state, out, budget, index
+
+    def observe(self, index: int, survival, active) -> None:
+        """Record round ``index``'s survivals ``[R, γ]`` and which slots were occupied
+        (host arrays, read from its output)."""
+        self._observed[index] = (np.asarray(survival), np.asarray(active, bool))
+        for i in [i for i in self._observed if i < index - 1]:
+            del self._observed[i]
+
+    # -- compilation and profiling -------------------------------------------------------
+    def warmup(self, state, on_bucket: Callable[[int, int, int], None] | None = None):
+        """Compile every verify bucket (``on_bucket(K, i, n)`` before the i-th of n);
+        returns the state (the rounds ran on it)."""
+        dec = self.decoder
+        plan = dec.plan(state) if self.two_phase else None
+        for i, k in enumerate(self.buckets, 1):
+            if on_bucket is not None:
+                on_bucket(k, i, len(self.buckets))
+            if self.two_phase:
+                state, _ = dec.commit(state, plan, k)
+            else:
+                state, _ = dec.round(state, k)
+        return state
+
+    def profile_sps(self, **kw) -> sps_lib.SPSTable:
+        """``profile_decoder_sps`` over this policy's buckets (installs the table)."""
+        table = profile_decoder_sps(self.decoder, self.buckets, **kw)
+        self._host_sps()
+        return table
+
+    def reset(self) -> None:
+        """Forget observed rounds (a new generation run starts)."""
+        self._observed.clear()
+        self._next_index = 0
