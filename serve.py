@@ -128,7 +128,7 @@ def build_engine(args, drafter_dir, scheduler, models=None):
         scheduler = "none"
     elif scheduler == "none":
         drafter = dp = sts = None  # no drafter: its STS temperatures go with it
-    elif drafter.config.kind != "dspark" and scheduler in ("threshold", "prefix", "topk"):
+    elif not drafter.config.has_confidence and scheduler in ("threshold", "prefix", "topk"):
         print(
             f"note: the {drafter.config.kind} drafter has no confidence head; using the "
             f"fixed-length scheduler instead of {scheduler}",

@@ -119,7 +119,8 @@ async def run_level(
 
 def build_arms(args):
     """``[(arm name, scheduler, drafter slot)]`` plus a loader for the models."""
-    from dspark_jax.serve.engine import load_models, tiny_random_models
+    from dspark_jax.serve.engine import load_models
+    from dspark_jax.testing import tiny_random_models
 
     if args.quick:
         from dspark_jax.data.tokenizer_train import train_bpe_tokenizer

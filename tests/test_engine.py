@@ -22,8 +22,8 @@ from dspark_jax.serve.engine import (
     QueueFull,
     Result,
     SamplingParams,
-    tiny_random_models,
 )
+from dspark_jax.testing import tiny_random_models
 
 MAX_LEN = 32
 SLOTS = 4

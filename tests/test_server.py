@@ -17,8 +17,9 @@ import pytest
 
 from dspark_jax.data.tokenizer_train import train_bpe_tokenizer
 from dspark_jax.decode.autoregressive import generate
-from dspark_jax.serve.engine import Engine, EngineConfig, tiny_random_models
+from dspark_jax.serve.engine import Engine, EngineConfig
 from dspark_jax.serve.server import BackgroundServer, create_app
+from dspark_jax.testing import tiny_random_models
 
 MAX_LEN = 32
 MODEL = "tiny-dspark"

@@ -228,7 +228,7 @@ def drafter_to_deepspec_config(
     ``num_anchors`` only matters to DeepSpec's trainer (512 in its released configs).
     """
     cfg = drafter_config.resolve(target_config)
-    if cfg.kind not in ("dspark", "dflash"):
+    if not cfg.parallel_block:
         raise ValueError(f"DeepSpec stores dspark/dflash drafters only, got kind {cfg.kind!r}")
     n = cfg.resolved_num_layers
     ds = target_config.to_hf_dict(torch_dtype="float32")

@@ -167,18 +167,14 @@ class SpeculativeDecoder:
                     f"{tcfg.vocab_size}/{tcfg.hidden_size}"
                 )
             self.kind = dcfg.kind
-            self.gamma = 1 if dcfg.kind == "mtp1" else dcfg.gamma
-            self.taps = None if dcfg.kind == "mtp1" else tuple(dcfg.taps)
-            self.feat_dim = tcfg.hidden_size * (1 if self.taps is None else len(self.taps))
+            self.gamma = dcfg.draft_len
+            self.taps = tuple(dcfg.taps) if dcfg.uses_taps else None
             # DSpark/DFlash keep each slot's drafter context as per-layer K/V rows, computed
             # once when a position is committed; drafting then never re-projects the whole
-            # context (the other kinds keep tap features).
-            self.kv_cache = dcfg.kind in ("dspark", "dflash")
-            if self.kv_cache:
-                self.feat_dim = (
-                    dcfg.resolved_num_layers * 2 * tcfg.num_key_value_heads * tcfg.head_dim
-                )
-            self.has_confidence = dcfg.kind == "dspark" and bool(getattr(dcfg, "confidence", True))
+            # context (the other kinds keep tap features / the final hidden state).
+            self.kv_cache = dcfg.kv_context
+            self.feat_dim = dcfg.context_width(tcfg)
+            self.has_confidence = dcfg.has_confidence
         if config.scheduler in ("threshold", "prefix", "topk") and not self.has_confidence:
             raise ValueError(
                 f"scheduler {config.scheduler!r} needs a drafter with a confidence head "

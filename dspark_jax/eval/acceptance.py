@@ -70,7 +70,7 @@ class DrafterSpec:
     @property
     def has_confidence(self) -> bool:
         cfg = self.module.config
-        return cfg.kind == "dspark" and bool(cfg.has_confidence)
+        return bool(cfg.has_confidence)
 
 
 def load_target(target_dir: str | os.PathLike, dtype=None) -> TargetBundle:

@@ -20,13 +20,50 @@ import math
 import os
 from typing import Any
 
-KINDS = ("dspark", "dflash", "eagle3", "mtp1")
+
+@dataclasses.dataclass(frozen=True)
+class DrafterKind:
+    """What every consumer of a drafter (decode step, training, AOT, conversion) needs to
+    know about its kind; code outside the per-drafter modules asks this, never the name.
+
+    context: what the drafter reads of the target per committed position:
+      ``kv_rows`` (DSpark/DFlash: tap features projected once into per-layer K/V rows,
+      cached), ``tap_features`` (EAGLE-3: the concatenated tap hidden states) or
+      ``final_hidden`` (MTP-1: the target's last normed hidden state).
+    mask_token: block positions 1..γ-1 are MASK placeholders (parallel block drafting).
+    single_token: one draft token per round (γ fixed at 1).
+    sequential_head / confidence: whether a Markov/RNN head and a confidence head exist.
+    default_layers: draft layers in DeepSpec's released configs.
+    """
+
+    name: str
+    context: str
+    mask_token: bool
+    single_token: bool
+    sequential_head: bool
+    confidence: bool
+    default_layers: int
+
+
+DRAFTER_KINDS = {
+    "dspark": DrafterKind("dspark", "kv_rows", True, False, True, True, 5),
+    "dflash": DrafterKind("dflash", "kv_rows", True, False, False, False, 5),
+    "eagle3": DrafterKind("eagle3", "tap_features", False, False, False, False, 1),
+    "mtp1": DrafterKind("mtp1", "final_hidden", False, True, False, False, 1),
+}
+KINDS = tuple(DRAFTER_KINDS)
+
+
+def drafter_kind(name: str) -> DrafterKind:
+    """The spec of drafter kind ``name``; unknown names list the known ones."""
+    if name not in DRAFTER_KINDS:
+        raise ValueError(f"unknown drafter kind {name!r}; known: {', '.join(KINDS)}")
+    return DRAFTER_KINDS[name]
+
+
 HEADS = ("markov", "gated", "rnn", "none")
 # Initialisation of the sequential head's factors (see heads.SequentialHead).
 HEAD_INITS = ("deepspec", "zero_bias")
-
-# DeepSpec's released configs: 5 draft layers for DSpark/DFlash, 1 for EAGLE-3.
-_DEFAULT_LAYERS = {"dspark": 5, "dflash": 5, "eagle3": 1, "mtp1": 1}
 
 
 def default_taps(num_target_layers: int, m: int = 5) -> list[int]:
@@ -131,15 +168,55 @@ class DrafterConfig:
         if problems:
             raise ValueError("Invalid DrafterConfig: " + "; ".join(problems))
 
+    @property
+    def spec(self) -> DrafterKind:
+        return DRAFTER_KINDS[self.kind]
+
+    @property
+    def kv_context(self) -> bool:
+        """The decode state keeps this drafter's context as K/V rows (DSpark/DFlash)."""
+        return self.spec.context == "kv_rows"
+
+    @property
+    def uses_taps(self) -> bool:
+        """Reads target tap layers (all kinds but MTP-1, which reads the final hidden)."""
+        return self.spec.context != "final_hidden"
+
+    @property
+    def needs_mask_token(self) -> bool:
+        """Block positions 1..γ-1 are MASK placeholders: the tokenizer needs a MASK id."""
+        return self.spec.mask_token
+
+    @property
+    def parallel_block(self) -> bool:
+        """Drafts a whole block in one forward (DSpark/DFlash); trained on the blocks of
+        sampled anchors rather than on every position."""
+        return self.spec.mask_token
+
+    @property
+    def single_token(self) -> bool:
+        """Drafts one token per round (MTP-1): outputs carry no block axis."""
+        return self.spec.single_token
+
+    def context_width(self, target_config) -> int:
+        """Per-position width of the decode state's drafter context: the K/V rows of every
+        draft layer (``layers · 2 · kv_heads · head_dim``), the tap features
+        (``taps · hidden``) or the final hidden state (``hidden``)."""
+        t = target_config
+        if self.kv_context:
+            return self.resolved_num_layers * 2 * t.num_key_value_heads * t.head_dim
+        if self.uses_taps:
+            return t.hidden_size * len(self.taps or ())
+        return t.hidden_size
+
     def _kind_problems(self) -> list[str]:
         out = []
-        if self.kind in ("dflash", "eagle3", "mtp1"):
-            if self.head not in (None, "none"):
-                out.append(f"kind {self.kind!r} has no sequential head; got head={self.head!r}")
-            if self.confidence:
-                out.append(f"kind {self.kind!r} has no confidence head; got confidence=True")
-        if self.kind == "mtp1" and self.gamma != 1:
-            out.append(f"kind 'mtp1' drafts one token; gamma must be 1, got {self.gamma}")
+        if not self.spec.sequential_head and self.head not in (None, "none"):
+            out.append(f"kind {self.kind!r} has no sequential head; got head={self.head!r}")
+        if not self.spec.confidence and self.confidence:
+            out.append(f"kind {self.kind!r} has no confidence head; got confidence=True")
+        if self.spec.single_token and self.gamma != 1:
+            out.append(f"kind {self.kind!r} drafts one token; gamma must be 1, got {self.gamma}")
         if self.head == "rnn" and self.rnn_rank == 0:
             out.append("head 'rnn' needs rnn_rank >= 1")
         if self.head == "gated" and self.markov_rank == 0:
@@ -150,7 +227,7 @@ class DrafterConfig:
     @property
     def resolved_head(self) -> str:
         """The head actually built: ``none`` for non-DSpark kinds or Markov rank 0."""
-        if self.kind != "dspark":
+        if not self.spec.sequential_head:
             return "none"
         head = self.head or "markov"
         if head == "markov" and self.markov_rank == 0:
@@ -168,24 +245,24 @@ class DrafterConfig:
     @property
     def has_confidence(self) -> bool:
         if self.confidence is None:
-            return self.kind == "dspark"
+            return self.spec.confidence
         return bool(self.confidence)
 
     @property
     def resolved_num_layers(self) -> int:
-        return self.num_layers if self.num_layers is not None else _DEFAULT_LAYERS[self.kind]
+        return self.num_layers if self.num_layers is not None else self.spec.default_layers
 
     @property
     def draft_len(self) -> int:
         """Tokens proposed per round (1 for MTP-1)."""
-        return 1 if self.kind == "mtp1" else self.gamma
+        return 1 if self.spec.single_token else self.gamma
 
     def resolve(self, target_config) -> DrafterConfig:
         """Fill target-dependent defaults and validate against ``target_config`` (Qwen3Config)."""
         n = target_config.num_hidden_layers
         vocab = target_config.vocab_size
         taps = self.taps
-        if self.kind == "mtp1":
+        if not self.uses_taps:
             taps = None
         elif taps is None:
             taps = tuple(eagle3_default_taps(n) if self.kind == "eagle3" else default_taps(n))
@@ -195,7 +272,7 @@ class DrafterConfig:
                 f"taps {list(taps)} out of range: must be in [0, {n - 2}] for a {n}-layer "
                 "target (the last layer may not be tapped)"
             )
-        if self.kind in ("dspark", "dflash"):
+        if self.needs_mask_token:
             if self.mask_token_id is None:
                 problems.append(
                     f"kind {self.kind!r} needs mask_token_id (a MASK token in the vocabulary)"
@@ -214,6 +291,19 @@ class DrafterConfig:
             head=self.resolved_head,
             confidence=self.has_confidence,
         )
+
+    @classmethod
+    def from_section(cls, section, mask_token_id: int | None = None) -> DrafterConfig:
+        """From a training config's ``drafter`` section (``ml_collections`` or a mapping
+        with this class's field names; other keys, e.g. loss weights, are ignored). The
+        MASK id is kept only for kinds that draft from MASK placeholders."""
+        get = section.get if hasattr(section, "get") else lambda k, d=None: getattr(section, k, d)
+        kw = {f.name: get(f.name, f.default) for f in dataclasses.fields(cls)}
+        kw.pop("mask_token_id")
+        if kw["taps"] is not None:
+            kw["taps"] = tuple(int(t) for t in kw["taps"])
+        mask = mask_token_id if drafter_kind(kw["kind"]).mask_token else None
+        return cls(**kw, mask_token_id=mask)
 
     # -- serialisation --------------------------------------------------------------------
     def replace(self, **kwargs) -> DrafterConfig:

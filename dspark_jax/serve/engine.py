@@ -47,7 +47,6 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.decode.autoregressive import length_bucket
@@ -1012,46 +1011,9 @@ def load_models(target_dir: str, drafter_dir: str | None = None, dtype=None):
                 f"this installation lacks ({e})"
             ) from e
         drafter, drafter_params = load_drafter(drafter_dir, config)
-        gamma = 1 if drafter.config.kind == "mtp1" else drafter.config.gamma
+        gamma = drafter.config.draft_len
         sts = load_sts(drafter_dir, gamma)
     return target, params, tokenizer, drafter, drafter_params, sts
-
-
-def tiny_random_models(
-    tokenizer: Tokenizer,
-    drafter_kind: str | None = "dspark",
-    gamma=4,
-    max_len: int = 256,
-    seed: int = 0,
-):
-    """Random tiny target + drafter matching ``tokenizer`` (tests, ``--quick`` smoke runs;
-    the outputs are meaningless text but exercise every code path)."""
-    import flax.linen as nn
-
-    from dspark_jax.models.drafter_config import DrafterConfig
-    from dspark_jax.models.drafters import init_drafter_params, make_drafter
-    from dspark_jax.models.presets import PRESETS
-    from dspark_jax.models.qwen3 import Qwen3
-
-    cfg = PRESETS["tiny"].replace(
-        vocab_size=tokenizer.vocab_size, max_position_embeddings=max(max_len, 16)
-    )
-    target = Qwen3(cfg)
-    params = nn.unbox(target.init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"])
-    if drafter_kind is None:
-        return target, params, None, None
-    kw = dict(kind=drafter_kind, num_layers=1)
-    if drafter_kind in ("dspark", "dflash"):
-        kw.update(gamma=gamma, mask_token_id=tokenizer.mask_id)
-    if drafter_kind == "dspark":
-        kw.update(markov_rank=16)
-    if drafter_kind == "eagle3":
-        kw.update(gamma=gamma)
-    if drafter_kind == "mtp1":
-        kw.update(gamma=1)
-    drafter = make_drafter(DrafterConfig(**kw), cfg)
-    dparams = nn.unbox(init_drafter_params(drafter, jax.random.key(seed + 1)))
-    return target, params, drafter, dparams
 
 
 __all__ = [
@@ -1067,5 +1029,4 @@ __all__ = [
     "Result",
     "SamplingParams",
     "load_models",
-    "tiny_random_models",
 ]

@@ -299,13 +299,7 @@ def _abstract_drafter_task(cfg):
                 except (FileNotFoundError, ValueError):
                     # Compilation depends on shapes only; any in-vocabulary id will do.
                     mask_id = self.model_config().vocab_size - 1
-                dc = DrafterConfig(
-                    kind=d.kind, gamma=d.gamma, num_layers=d.num_layers,
-                    taps=None if d.taps is None else tuple(int(t) for t in d.taps),
-                    head=d.head, markov_rank=d.markov_rank, rnn_rank=d.rnn_rank,
-                    confidence=d.confidence, confidence_with_prev=d.confidence_with_prev,
-                    mask_token_id=mask_id if d.kind in ("dspark", "dflash") else None,
-                )  # fmt: skip
+                dc = DrafterConfig.from_section(d, mask_id)
                 self._drafter_config = dc.resolve(self.model_config())
             return self._drafter_config
 

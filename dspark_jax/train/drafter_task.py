@@ -43,7 +43,13 @@ import numpy as np
 
 from dspark_jax import sharding as shd
 from dspark_jax.config import CHOICES, VALIDATORS, ConfigDict, ConfigError
-from dspark_jax.models.drafter_config import HEAD_INITS, HEADS, KINDS, DrafterConfig
+from dspark_jax.models.drafter_config import (
+    HEAD_INITS,
+    HEADS,
+    KINDS,
+    DrafterConfig,
+    drafter_kind,
+)
 from dspark_jax.models.qwen3 import REMAT_POLICIES, Qwen3, Qwen3Config
 from dspark_jax.train import anchors as A
 from dspark_jax.train import drafter_losses as L
@@ -111,7 +117,7 @@ def drafter_default_config(kind: str = "dspark") -> ConfigDict:
     cfg.drafter = ml_collections.ConfigDict(
         {
             "kind": kind,
-            "gamma": 1 if kind == "mtp1" else 7,
+            "gamma": 1 if drafter_kind(kind).single_token else 7,
             "num_layers": None,  # None = per-kind default (5 dspark/dflash, 1 eagle3/mtp1)
             "taps": None,  # None = per-kind default taps of the target
             "head": None,  # dspark: markov (default) | gated | rnn | none
@@ -269,7 +275,7 @@ class DrafterTask(Task):
                     f"Tokenizer not found: {path!r} (data.tokenizer, default "
                     "<target.dir>/tokenizer.json)"
                 )
-            needs_mask = self.cfg.drafter.kind in ("dspark", "dflash")
+            needs_mask = drafter_kind(self.cfg.drafter.kind).mask_token
             self._tokenizer = Tokenizer(
                 path, mask_token=self.cfg.drafter.mask_token if needs_mask else None
             )
@@ -280,23 +286,9 @@ class DrafterTask(Task):
         """The resolved :class:`DrafterConfig` (taps, layers, head filled in)."""
         if self._drafter_config is None:
             d = self.cfg.drafter
-            kind = d.kind
-            mask_id = self.tokenizer.mask_id if kind in ("dspark", "dflash") else None
-            taps = None if d.taps is None else tuple(int(t) for t in d.taps)
             try:
-                dc = DrafterConfig(
-                    kind=kind,
-                    gamma=d.gamma,
-                    num_layers=d.num_layers,
-                    taps=taps,
-                    head=d.head,
-                    markov_rank=d.markov_rank,
-                    rnn_rank=d.rnn_rank,
-                    head_init=d.head_init,
-                    confidence=d.confidence,
-                    confidence_with_prev=d.confidence_with_prev,
-                    mask_token_id=mask_id,
-                )
+                mask_id = self.tokenizer.mask_id if drafter_kind(d.kind).mask_token else None
+                dc = DrafterConfig.from_section(d, mask_id)
                 self._drafter_config = dc.resolve(self.model_config())
             except ValueError as e:
                 raise ConfigError(f"drafter section: {e}") from None
@@ -410,7 +402,7 @@ class DrafterTask(Task):
     def _target_features(self, frozen, tokens):
         """``(context features [B, T, F], final hidden [B, T, d])`` under stop_gradient."""
         dc = self.drafter_config
-        taps = None if dc.kind == "mtp1" else tuple(dc.taps)
+        taps = tuple(dc.taps) if dc.uses_taps else None
         h, tap_states = self._target().apply(
             {"params": frozen}, tokens, None, None, taps, method="hidden_states"
         )
@@ -532,7 +524,7 @@ class DrafterTask(Task):
             self._lm_head(frozen),
             method="train_forward",
         )
-        return out[None] if self.drafter_config.kind == "mtp1" else out
+        return out[None] if self.drafter_config.single_token else out
 
     @staticmethod
     def _shift_left(x, n):
@@ -567,13 +559,13 @@ class DrafterTask(Task):
             {"params": params}, feats, tokens, valid, self._embed(frozen),
             sparse_head if sparse else head, method="train_forward",
         )  # fmt: skip
-        out = out[None] if dc.kind == "mtp1" else out  # [G, B, T, V]
+        out = out[None] if dc.single_token else out  # [G, B, T, V]
         g = out.shape[0]
         blocks = jnp.transpose(out[:, rows, sel], (1, 2, 0, 3)).reshape(-1, g, out.shape[-1])
         if sparse:
             tgt = self._target_logits_at_labels(frozen, h, packed)
             mask = packed.label_valid
-            if dc.kind == "mtp1":
+            if dc.single_token:
                 loss, terms = L.mtp_loss(blocks[:, 0], packed.labels[:, 0], mask[:, 0])
             else:
                 loss, terms = L.eagle3_block_loss(
@@ -581,7 +573,7 @@ class DrafterTask(Task):
                 )
             return loss, terms, blocks, jnp.sum(mask[:, 0])
         elig = self._shift_left(A.eligible_anchors(loss_mask), 1)  # anchor t+1 eligible
-        if dc.kind == "mtp1":
+        if dc.single_token:
             loss, terms = L.mtp_loss(out[0], self._shift_left(tokens, 2), elig)
         else:
             sup = loss_mask.astype(bool)
@@ -607,7 +599,7 @@ class DrafterTask(Task):
 
     def loss_fn(self, params, frozen, batch, rng):
         feats, h = self._target_features(frozen, batch["tokens"])
-        if self.drafter_config.kind in ("dspark", "dflash"):
+        if self.drafter_config.parallel_block:
             n = self.cfg.drafter.anchors_per_seq
             anchor_pos, anchor_valid = A.sample_anchors(rng, batch["loss_mask"], n)
             packed = A.pack_blocks(
@@ -639,7 +631,7 @@ class DrafterTask(Task):
         )
         packed = A.pack_blocks(tokens, loss_mask, anchor_pos, anchor_valid, g)
         conf = None
-        if dc.kind in ("dspark", "dflash"):
+        if dc.parallel_block:
             loss, _, (logits, conf, tgt) = self._block_loss(params, frozen, feats, h, batch, packed)
             loss_count = jnp.sum(packed.label_valid)
         else:

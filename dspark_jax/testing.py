@@ -1,0 +1,49 @@
+"""Tiny random models for tests and ``--quick`` smoke runs (not for anything measured).
+
+``tiny_random_models(tokenizer, kind)`` builds the ``tiny`` Qwen3 preset sized to a
+tokenizer and, unless ``kind`` is None, a one-layer drafter of that kind, with random
+weights: their text is meaningless but every code path (prefill, draft, verify, commit,
+serving) runs with real shapes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["tiny_random_models"]
+
+
+def tiny_random_models(
+    tokenizer,
+    drafter_kind: str | None = "dspark",
+    gamma: int = 4,
+    max_len: int = 256,
+    seed: int = 0,
+):
+    """``(target, target_params, drafter, drafter_params)``; the drafter pair is
+    ``(None, None)`` when ``drafter_kind`` is None."""
+    import flax.linen as nn
+
+    from dspark_jax.models.drafter_config import DrafterConfig
+    from dspark_jax.models.drafter_config import drafter_kind as kind_spec
+    from dspark_jax.models.drafters import init_drafter_params, make_drafter
+    from dspark_jax.models.presets import PRESETS
+    from dspark_jax.models.qwen3 import Qwen3
+
+    cfg = PRESETS["tiny"].replace(
+        vocab_size=tokenizer.vocab_size, max_position_embeddings=max(max_len, 16)
+    )
+    target = Qwen3(cfg)
+    params = nn.unbox(target.init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"])
+    if drafter_kind is None:
+        return target, params, None, None
+    spec = kind_spec(drafter_kind)
+    kw = dict(kind=drafter_kind, num_layers=1, gamma=1 if spec.single_token else gamma)
+    if spec.mask_token:
+        kw.update(mask_token_id=tokenizer.mask_id)
+    if spec.sequential_head:
+        kw.update(markov_rank=16)
+    drafter = make_drafter(DrafterConfig(**kw), cfg)
+    dparams = nn.unbox(init_drafter_params(drafter, jax.random.key(seed + 1)))
+    return target, params, drafter, dparams
