@@ -12,11 +12,11 @@ from scipy import stats
 
 from dspark_jax.decode.autoregressive import generate as ar_generate
 from dspark_jax.decode.runner import Request, Runner
-from dspark_jax.decode.sampling import process_logits
 from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
 from dspark_jax.models.drafters import DrafterConfig, init_drafter_params, make_drafter
 from dspark_jax.models.presets import PRESETS
 from dspark_jax.models.qwen3 import Qwen3
+from dspark_jax.ops.sampling import process_logits
 from dspark_jax.sched import prefix as prefix_sched
 
 V = 24  # distinct from every other dimension, so HLO shapes can be matched by size

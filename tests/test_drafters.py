@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.decode.sampling import process_logits, sample
 from dspark_jax.models.backbone import apply_lm_head
 from dspark_jax.models.drafter_config import DrafterConfig, default_taps, eagle3_default_taps
 from dspark_jax.models.drafters import feature_dim, init_drafter_params, make_drafter
 from dspark_jax.models.qwen3 import Qwen3Config
+from dspark_jax.ops.sampling import process_logits, sample
 from dspark_jax.sharding import LOGICAL_RULES
 
 TGT = Qwen3Config(

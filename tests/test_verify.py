@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dspark_jax.decode.sampling import process_logits, sample
 from dspark_jax.decode.verify import (
     PAD_TOKEN,
     acceptance_probability,
@@ -16,6 +15,7 @@ from dspark_jax.decode.verify import (
     verify_greedy,
     verify_sampling,
 )
+from dspark_jax.ops.sampling import process_logits, sample
 
 # ---------------------------------------------------------------------------------------
 # process_logits

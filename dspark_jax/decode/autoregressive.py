@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.decode.sampling import process_logits, sample
 from dspark_jax.models.qwen3 import Qwen3, init_cache
+from dspark_jax.ops.sampling import process_logits, sample
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"  # hit max_new_tokens or the end of the cache

@@ -47,9 +47,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.decode.sampling import process_logits, sample
 from dspark_jax.decode.verify import verify_greedy, verify_sampling
 from dspark_jax.models.qwen3 import KVCache, Qwen3, init_cache
+from dspark_jax.ops.sampling import process_logits, sample
 from dspark_jax.sched import policies
 
 Array = jax.Array

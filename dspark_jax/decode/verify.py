@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decode.sampling import sample
+from dspark_jax.ops.sampling import sample
 
 __all__ = [
     "PAD_TOKEN",

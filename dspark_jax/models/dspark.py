@@ -25,11 +25,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decode.sampling import process_logits, sample
 from dspark_jax.models import heads as H
 from dspark_jax.models.backbone import ParallelBackbone, apply_lm_head, embed_tokens
 from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.qwen3 import Qwen3Config
+from dspark_jax.ops.sampling import process_logits, sample
 
 Array = jax.Array
 

@@ -27,7 +27,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decode.sampling import process_logits, sample
 from dspark_jax.models.backbone import DraftDecoderLayer, apply_lm_head, embed_tokens
 from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.dspark import (
@@ -37,6 +36,7 @@ from dspark_jax.models.dspark import (
     draft_qwen3_config,
 )
 from dspark_jax.models.qwen3 import Projection, Qwen3Config, RMSNorm
+from dspark_jax.ops.sampling import process_logits, sample
 
 Array = jax.Array
 

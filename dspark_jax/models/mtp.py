@@ -17,7 +17,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decode.sampling import process_logits, sample
 from dspark_jax.models.backbone import DraftDecoderLayer, apply_lm_head, embed_tokens
 from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.dspark import (
@@ -28,6 +27,7 @@ from dspark_jax.models.dspark import (
 )
 from dspark_jax.models.eagle3 import _gather_rows, causal_mask, next_tokens, shift_left
 from dspark_jax.models.qwen3 import Projection, Qwen3Config, RMSNorm
+from dspark_jax.ops.sampling import process_logits, sample
 
 Array = jax.Array
 

@@ -722,8 +722,8 @@ def count_params(params) -> int:
 
 def export_drafter(workdir: str, out: str, step: int | None = None, dtype: str = "float32"):
     """Write a trained drafter as a ``drafter_io`` directory plus a model card."""
-    from dspark_jax.export import restore_params
     from dspark_jax.models.drafter_io import save_drafter
+    from dspark_jax.train.restore import restore_params
     from dspark_jax.train.trainer import make_task, read_metrics
 
     cfg, tcfg, step, params = restore_params(workdir, step, tasks=("drafter",))
