@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
-from dspark_jax.perf.serving_report import serving_goals  # noqa: E402
+from dspark_jax.perf.serving_report import serving_goals, serving_table  # noqa: E402
 
 PAPER_DFLASH, PAPER_EAGLE = "+16–18 %", "+27–31 %"
 
@@ -381,16 +381,8 @@ def _serving_table(name: str, data: dict) -> list[str]:
         "",
         _serving_command(data),
         "",
-        "| arm | concurrency | aggregate tok/s | per-user tok/s | τ | verify budget / round |",
-        "|---|---|---|---|---|---|",
     ]
-    for arm, rows in data["arms"].items():
-        for r in rows:
-            out.append(
-                f"| {arm} | {r['concurrency']} | {r['aggregate_tokens_per_second']:.1f} | "
-                f"{r['per_user_tokens_per_second']:.1f} | {r['mean_tau']:.2f} | "
-                f"{r['mean_verify_budget_per_request']:.2f} |"
-            )
+    out += serving_table(data["arms"])
     comp = data.get("compilations_after_warmup")
     if comp is not None:
         out += ["", f"Compilations after warm-up per arm: {comp}."]

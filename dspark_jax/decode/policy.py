@@ -23,6 +23,7 @@ survival, active)`` when it has read that round's output.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -85,6 +86,7 @@ class RoundPolicy:
         self.two_phase = self.scheduler == "prefix" and len(self.buckets) > 1
         self._observed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._next_index = 0
+        self.last_wait_seconds = 0.0  # the last dispatch's wait for its plan (two-phase)
         self._sps_src = None  # the decoder table _sps_dense was copied from
         self._sps_dense: np.ndarray | None = None
 
@@ -117,9 +119,13 @@ class RoundPolicy:
         first). Returns ``(state, output, budget, n)``."""
         dec = self.decoder
         index = self._next_index
+        self.last_wait_seconds = 0.0
         if self.two_phase:
             plan = dec.plan(state)
+            t0 = time.perf_counter()
             need = int(jax.device_get(plan.lengths).sum())
+            # Time blocked on the device (the plan, and every round still queued before it).
+            self.last_wait_seconds = time.perf_counter() - t0
             budget = budget_lib.smallest_bucket(self.buckets, need)
             state, out = dec.commit(state, plan, budget)
         else:

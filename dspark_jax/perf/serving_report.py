@@ -7,7 +7,28 @@ Rows are the benchmark's per-level dicts (``concurrency``, ``aggregate_tokens_pe
 
 from __future__ import annotations
 
-__all__ = ["serving_goals"]
+__all__ = ["serving_goals", "serving_table"]
+
+
+def serving_table(arms: dict, agg_digits: int = 1, round_budget: bool = False) -> list[str]:
+    """Markdown rows, one per (arm, concurrency): aggregate and per-user tokens/s, τ, the
+    drafts verified per request-round (and the mean round budget K when recorded)."""
+    head = "| arm | concurrency | aggregate tok/s | per-user tok/s | τ | verify budget / round |"
+    sep = "|---|---|---|---|---|---|"
+    if round_budget:
+        head, sep = head + " mean K |", sep + "---|"
+    out = [head, sep]
+    for arm, rows in arms.items():
+        for r in rows:
+            line = (
+                f"| {arm} | {r['concurrency']} | {r['aggregate_tokens_per_second']:.{agg_digits}f}"
+                f" | {r['per_user_tokens_per_second']:.1f} | {r['mean_tau']:.2f} | "
+                f"{r['mean_verify_budget_per_request']:.2f} |"
+            )
+            if round_budget:
+                line += f" {r['mean_round_budget']:.0f} |"
+            out.append(line)
+    return out
 
 
 def _interp(x: float, xs: list[float], ys: list[float]) -> float | None:

@@ -1,5 +1,15 @@
-"""Serving: the continuous-batching engine (``engine``), the OpenAI-compatible HTTP API
-(``server``) and its Prometheus metrics (``metrics``). DESIGN §6."""
+"""Serving (DESIGN §6), one responsibility per module:
+
+- ``requests``: request/response types (``SamplingParams``, ``Delta``, ``Result``), their
+  validation and the request-level errors;
+- ``handle``: ``RequestHandle``, how events reach a sync or asyncio consumer;
+- ``text``: detokenisation and stop strings of one output (``TextStream``);
+- ``compilation``: every shape the engine runs, warm-up, SPS and prefill profiling;
+- ``config``: ``EngineConfig`` and the counters ``EngineStats``;
+- ``engine``: the continuous-batching loop (admission, pipelined rounds, delivery);
+- ``loading``: the target and drafter directories a server runs;
+- ``server`` / ``metrics``: the OpenAI-compatible HTTP API and its Prometheus metrics.
+"""
 
 from dspark_jax.serve.engine import (
     Delta,

@@ -37,19 +37,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import itertools
 import logging
-import math
-import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from dspark_jax.decode.autoregressive import length_bucket
 from dspark_jax.decode.policy import RoundPolicy
 from dspark_jax.decode.step import (
     FINISH_EOS,
@@ -58,188 +54,23 @@ from dspark_jax.decode.step import (
     StepConfig,
 )
 from dspark_jax.sched import sps as sps_lib
-from dspark_jax.tokenizer import IncrementalDecoder, Tokenizer
+from dspark_jax.serve.compilation import ServingShapes
+from dspark_jax.serve.config import EngineConfig, EngineStats
+from dspark_jax.serve.handle import RequestHandle
+from dspark_jax.serve.loading import load_models
+from dspark_jax.serve.requests import (
+    Delta,
+    EngineClosed,
+    EngineError,
+    InvalidRequest,
+    QueueFull,
+    Result,
+    SamplingParams,
+)
+from dspark_jax.serve.text import TextStream
+from dspark_jax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-MIN_PROMPT_BUCKET = 16  # smallest prefill length bucket (autoregressive.length_bucket)
-MAX_STOP_STRINGS = 4  # the OpenAI API's limit
-
-
-# ------------------------------------------------------------------------------------------
-# errors
-# ------------------------------------------------------------------------------------------
-class EngineError(RuntimeError):
-    """Base of the engine's request-level errors."""
-
-
-class QueueFull(EngineError):
-    """The admission queue is at its bound (HTTP 429)."""
-
-
-class EngineClosed(EngineError):
-    """The engine is draining or stopped and accepts no new requests (HTTP 503)."""
-
-
-class InvalidRequest(ValueError):
-    """A request parameter is invalid; ``param`` names the offending field (HTTP 400)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-# ------------------------------------------------------------------------------------------
-# requests and results
-# ------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Per-request generation settings.
-
-    temperature 0 = greedy. top_k 0 = off. top_p 1 = off. ``stop``: up to 4 strings; the
-    output is cut before the first occurrence. ``seed``: see the module docstring.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-
-    def validate(self, max_len: int) -> None:
-        def bad(field, msg):
-            raise InvalidRequest(f"{field} {msg}", field)
-
-        mt = self.max_tokens
-        if isinstance(mt, bool) or not isinstance(mt, int | np.integer):
-            bad("max_tokens", f"must be an integer, got {mt!r}")
-        if mt < 1:
-            bad("max_tokens", f"must be >= 1, got {mt}")
-        if mt > max_len - 1:
-            bad(
-                "max_tokens",
-                f"is {mt} but this server's cache holds {max_len} positions; at most "
-                f"{max_len - 1} tokens can be generated",
-            )
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
-            bad("temperature", f"must be a finite number, got {t!r}")
-        if not 0.0 <= t <= 100.0:
-            bad("temperature", f"must be in [0, 100], got {t}")
-        k = self.top_k
-        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 0:
-            bad("top_k", f"must be an integer >= 0 (0 disables it), got {k!r}")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 < p <= 1.0:
-            bad("top_p", f"must be a number in (0, 1], got {p!r}")
-        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
-            bad("stop", f"must be a string or a list of strings, got {self.stop!r}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            bad("stop", f"accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
-        if any(s == "" for s in self.stop):
-            bad("stop", "strings must be non-empty")
-        s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int | np.integer)):
-            bad("seed", f"must be an integer, got {s!r}")
-        if s is not None and not 0 <= s < 2**63:
-            bad("seed", f"must be in [0, 2**63), got {s}")
-
-
-@dataclasses.dataclass
-class Delta:
-    """A streamed piece of a request's output."""
-
-    text: str
-    token_ids: list[int]
-
-
-@dataclasses.dataclass
-class Result:
-    """The final event of a request."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "cancelled" | "abort" | "error"
-    prompt_tokens: int
-    completion_tokens: int
-    rounds: int  # decode rounds that produced tokens for this request
-    mean_accepted_length: float  # τ: tokens per round incl. the bonus token
-    mean_verified: float  # draft tokens sent to the target per round
-    error: str | None = None
-
-
-_CLOSE = object()
-
-
-class RequestHandle:
-    """A submitted request: iterate its events (``Delta``…, then one ``Result``).
-
-    Sync consumers use ``events()`` / ``result()``; asyncio consumers pass ``loop`` to
-    ``Engine.submit`` and use ``aevents()`` / ``aresult()``. The engine thread delivers
-    events through ``loop.call_soon_threadsafe`` (asyncio) or a ``queue.Queue`` (sync).
-    """
-
-    def __init__(self, request_id, prompt_ids, params, loop=None):
-        self.id = request_id
-        self.prompt_ids = list(prompt_ids)
-        self.params = params
-        self._loop = loop
-        self._q: queue.Queue | None = None if loop else queue.Queue()
-        self._aq: asyncio.Queue | None = asyncio.Queue() if loop else None
-        self._cancelled = threading.Event()
-        self.done = threading.Event()
-        self.submitted_at = time.perf_counter()
-
-    # -- engine side ---------------------------------------------------------------------
-    def _deliver(self, item) -> None:
-        if self._loop is None:
-            self._q.put(item)
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._aq.put_nowait, item)
-        except RuntimeError:  # the consumer's loop is closed: nobody is listening
-            pass
-
-    # -- consumer side -------------------------------------------------------------------
-    def cancel(self) -> None:
-        """Ask the engine to stop this request; its slot is freed at the next round."""
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def events(self, timeout: float | None = None) -> Iterator[Delta | Result]:
-        if self._q is None:
-            raise RuntimeError("this handle was submitted with an event loop; use aevents()")
-        while True:
-            item = self._q.get(timeout=timeout)
-            yield item
-            if isinstance(item, Result):
-                return
-
-    def result(self, timeout: float | None = None) -> Result:
-        for item in self.events(timeout):
-            if isinstance(item, Result):
-                return item
-        raise RuntimeError("event stream ended without a result")  # pragma: no cover
-
-    async def aevents(self) -> AsyncIterator[Delta | Result]:
-        if self._aq is None:
-            raise RuntimeError("this handle was submitted without an event loop; use events()")
-        while True:
-            item = await self._aq.get()
-            yield item
-            if isinstance(item, Result):
-                return
-
-    async def aresult(self) -> Result:
-        async for item in self.aevents():
-            if isinstance(item, Result):
-                return item
-        raise RuntimeError("event stream ended without a result")  # pragma: no cover
 
 
 class _Active:
@@ -247,11 +78,7 @@ class _Active:
 
     def __init__(self, handle: RequestHandle, tokenizer: Tokenizer, stop_ids):
         self.handle = handle
-        self.detok = IncrementalDecoder(tokenizer)
-        self.stop_ids = stop_ids
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.sent = 0  # characters of ``text`` already streamed
+        self.stream = TextStream(tokenizer, stop_ids, handle.params.stop)
         self.done = False
         self.rounds = 0
         self.accepted = 0  # emitted tokens summed over rounds (for τ)
@@ -261,93 +88,6 @@ class _Active:
 # ------------------------------------------------------------------------------------------
 # engine
 # ------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class EngineConfig:
-    """Engine settings.
-
-    num_slots: decode slots R. max_len: cache positions per slot (prompt + output).
-    scheduler: none | fixed | threshold | prefix | topk (DESIGN §5.3).
-    max_queue: bound of the admission queue (full -> ``QueueFull``).
-    verify_buckets: compiled verify budgets K (default ``policy.default_buckets``): topk
-      rounds its budget up to one, prefix its Σ l, fixed/threshold γ per occupied slot;
-      SPS is profiled on these for ``prefix``/``topk``.
-    sps_cache: JSON file caching the SPS table (``sched.sps.load_or_profile``); None = none.
-    sps_repeats: timed calls per bucket when profiling.
-    """
-
-    num_slots: int = 8
-    max_len: int = 512
-    scheduler: str = "topk"
-    max_queue: int = 256
-    threshold: float = 0.5
-    fixed_length: int | None = None
-    verify_buckets: tuple[int, ...] | None = None
-    seed: int = 0
-    sps_cache: str | None = None
-    sps_repeats: int = 5
-    model_name: str = "dspark"
-    # Requests admitted together are prefilled in one call of this many rows (padded with
-    # rows that write nothing); 1 prefills one request per call.
-    prefill_batch: int = 4
-
-    def __post_init__(self):
-        if self.num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
-        if self.prefill_batch < 1:
-            raise ValueError(f"prefill_batch must be >= 1, got {self.prefill_batch}")
-        if self.max_len < 4:
-            raise ValueError(f"max_len must be >= 4, got {self.max_len}")
-        if self.max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Counters since start (read by ``/metrics``; written by the engine thread)."""
-
-    rounds: int = 0
-    requests_finished: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    slot_rounds: int = 0  # (slot, round) pairs that emitted tokens
-    emitted_tokens: int = 0  # tokens emitted by rounds (τ numerator)
-    budget_sum: int = 0
-    last_round_seconds: float = 0.0
-    last_budget: int = 0
-    last_tau: float = 0.0
-    # The engine thread's time, by what it was doing (the round timeline): dispatching
-    # work to the device (prefill and rounds, incl. choosing the budget), waiting for a
-    # round's output, host processing of outputs (detokenising, stop strings, delivery),
-    # and idle (no request anywhere). Host share = (dispatch + host) / busy time.
-    dispatch_seconds: float = 0.0
-    device_wait_seconds: float = 0.0
-    host_seconds: float = 0.0
-    idle_seconds: float = 0.0
-
-    @property
-    def host_share(self) -> float:
-        """Share of the engine thread's busy time spent on the host (not waiting)."""
-        busy = self.dispatch_seconds + self.device_wait_seconds + self.host_seconds
-        return (self.dispatch_seconds + self.host_seconds) / busy if busy else 0.0
-
-    def timeline(self) -> dict[str, float]:
-        return {
-            "dispatch_seconds": self.dispatch_seconds,
-            "device_wait_seconds": self.device_wait_seconds,
-            "host_seconds": self.host_seconds,
-            "idle_seconds": self.idle_seconds,
-            "host_share": self.host_share,
-        }
-
-    @property
-    def mean_tau(self) -> float:
-        return self.emitted_tokens / max(self.slot_rounds, 1)
-
-    @property
-    def mean_budget(self) -> float:
-        return self.budget_sum / max(self.rounds, 1)
-
-
 class Engine:
     """Continuous-batching engine. ``start()`` warms up (compiles every bucket, profiles
     SPS when the scheduler needs it) and launches the loop thread; ``submit`` enqueues."""
@@ -398,7 +138,8 @@ class Engine:
         self.policy = RoundPolicy(self.decoder, cfg.verify_buckets)
         self.verify_buckets = self.policy.buckets
         self.two_phase = self.policy.two_phase
-        self.prompt_buckets = self._prompt_buckets(cfg.max_len)
+        self.shapes = ServingShapes(self.decoder, self.policy, cfg, tokenizer.eos_id)
+        self.prompt_buckets = self.shapes.prompt_buckets
         self.sps_table: sps_lib.SPSTable | None = None
 
         self.stats = EngineStats()
@@ -413,95 +154,23 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._warm_thread: threading.Thread | None = None
         self.warmup_status: dict | None = None  # last warm-up progress (phase, step, of)
-        self._baseline: int | None = None
         self.failure: str | None = None
         self._last_ready = 0.0
         self._state = None
 
-    # -- shapes ----------------------------------------------------------------------------
-    @staticmethod
-    def _prompt_buckets(max_len: int) -> tuple[int, ...]:
-        """Powers of two from 16, the last one capped at ``max_len`` (a prompt must leave
-        room for one generated token, so lengths up to ``max_len - 2`` are served)."""
-        out, b = [], MIN_PROMPT_BUCKET
-        while True:
-            out.append(min(b, max_len))
-            if b >= max_len:
-                return tuple(sorted(set(out)))
-            b *= 2
-
-    def _bucket_for(self, n: int) -> int:
-        return min(length_bucket(n, MIN_PROMPT_BUCKET), self.config.max_len)
-
+    # -- shapes, warm-up, profiling (serve/compilation.py) --------------------------------
     @property
     def max_prompt_tokens(self) -> int:
-        return self.config.max_len - 2
+        return self.shapes.max_prompt_tokens
 
-    # -- warm-up -------------------------------------------------------------------------
-    def _cache_entries(self) -> int:
-        return self.decoder.compiled_executables()
+    @property
+    def prefill_rows(self) -> tuple[int, ...]:
+        return self.shapes.prefill_rows
 
     @property
     def compilations_after_warmup(self) -> int:
         """Executables compiled since warm-up (0 means every shape was pre-compiled)."""
-        if self._baseline is None:
-            return 0
-        return self._cache_entries() - self._baseline
-
-    @property
-    def prefill_rows(self) -> tuple[int, ...]:
-        """Compiled prefill batch sizes: 1, and ``prefill_batch`` (capped at the slots)."""
-        return tuple(sorted({1, min(self.config.prefill_batch, self.config.num_slots)}))
-
-    def _prefill(self, state, slot, ids, max_new, temperature, top_k, top_p):
-        return self._prefill_many(state, [(slot, ids, max_new, temperature, top_k, top_p)])
-
-    def _prefill_many(self, state, rows):
-        """One prefill call for ``rows`` of ``(slot, ids, max_new, temperature, top_k,
-        top_p)`` (at most ``max(prefill_rows)``): prompts padded to the longest one's
-        length bucket, the batch padded to a compiled size with rows aimed at slot
-        ``num_slots``, whose cache and state writes are dropped (out-of-range scatter)."""
-        n = len(rows)
-        b = next(k for k in self.prefill_rows if k >= n)
-        t = max(self._bucket_for(len(r[1])) for r in rows)
-        r_slots = self.config.num_slots
-        slots = np.full((b,), r_slots, np.int32)
-        prompts = np.zeros((b, t), np.int32)
-        lengths = np.ones((b,), np.int32)
-        max_new = np.ones((b,), np.int32)
-        temps = np.zeros((b,), np.float32)
-        top_k = np.zeros((b,), np.int32)
-        top_p = np.ones((b,), np.float32)
-        for i, (slot, ids, mn, temp, k, p) in enumerate(rows):
-            slots[i], lengths[i], max_new[i] = slot, len(ids), mn
-            prompts[i, : len(ids)] = ids
-            temps[i], top_k[i], top_p[i] = temp, k, p
-        return self.decoder.prefill(state, slots, prompts, lengths, max_new, temps, top_k, top_p)
-
-    def _fill_all_slots(self, state):
-        """Prefill every slot with a short dummy prompt that keeps them active."""
-        dummy = [self.tokenizer.eos_id + 1] * 4
-        for s in range(self.config.num_slots):
-            state, _ = self._prefill(state, s, dummy, self.config.max_len, 0.0, 0, 1.0)
-        return state
-
-    def _profile_sps(self) -> None:
-        """SPS(B), B = R + K, for every compiled bucket with the decoder's own executables
-        (DESIGN §5.3); cached in ``config.sps_cache`` when given. Doubles as compilation."""
-        cfg, r = self.config, self.config.num_slots
-        key = sps_lib.cache_key(
-            cfg.model_name,
-            self.scheduler,
-            f"R={r}",
-            f"gamma={self.gamma}",
-            f"max_len={cfg.max_len}",
-        )
-        self.sps_table = self.policy.profile_sps(
-            cache_path=cfg.sps_cache,
-            key=key,
-            repeats=cfg.sps_repeats,
-            progress=lambda b, i, n: self._progress("profiling SPS", i, n, f"B = {b}"),
-        )
+        return self.shapes.compilations_after_warmup
 
     def _progress(self, phase: str, done: int, total: int, detail: str = "") -> None:
         """Warm-up progress: logged (serve.py prints it on stderr) and kept for /health."""
@@ -511,57 +180,18 @@ class Engine:
     def warmup(self) -> None:
         """Compile every prefill bucket and every verify bucket; profile SPS if needed."""
         if self.scheduler in ("topk", "prefix"):
-            self._profile_sps()
-        state = self.decoder.init_state(self.config.seed)
-        r = self.config.num_slots
-        n_prefill = len(self.prompt_buckets) * len(self.prefill_rows)
-        # Twice: fresh (uncommitted) arrays and round outputs must hit the same executables.
-        # The first pass compiles (progress is reported for it); the second only checks.
-        for rep in range(2):
-            shown = rep == 0
-            i = 0
-            for t in self.prompt_buckets:
-                ids = [1] * min(t, self.max_prompt_tokens)
-                for b in self.prefill_rows:
-                    i += 1
-                    if shown:
-                        self._progress("compiling prefill", i, n_prefill, f"{b} x {t} tokens")
-                    state, _ = self._prefill_many(state, [(s, ids, 2, 0, 0, 1) for s in range(b)])
-            state = self._fill_all_slots(state)
-
-            def on_bucket(k, i, n):
-                self._progress("compiling verify round", i, n, f"B = {r + k}")
-
-            state = self.policy.warmup(state, on_bucket if shown else None)
-            state = self.decoder.release(state, 0)
-            state = state._replace(rng=jax.random.key(self.config.seed))
-        jax.block_until_ready(state.seq_len)
+            self.sps_table = self.shapes.profile_sps(self._progress)
+        self.shapes.warmup(self._progress)
         # The serving state starts clean (no slot active).
         self._state = self.decoder.init_state(self.config.seed)
-        self._baseline = self._cache_entries()
 
     def profile_prefill(self, repeats: int = 3) -> dict[tuple[int, int], float]:
-        """Median seconds of one prefill call per compiled ``(rows, prompt bucket)``, on a
-        fresh decode state (for the serving simulator's cost model). Only on an engine that
-        is not running: the loop thread owns the serving state."""
+        """Median seconds of one prefill call per compiled ``(rows, prompt bucket)`` (for
+        the serving simulator's cost model). Only on an engine that is not running: the
+        loop thread owns the serving state."""
         if self.running or self.starting:
             raise RuntimeError("profile_prefill needs a stopped engine (shutdown() first)")
-        if repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {repeats}")
-        state = self.decoder.init_state(self.config.seed)
-        out: dict[tuple[int, int], float] = {}
-        for t in self.prompt_buckets:
-            ids = [1] * min(t, self.max_prompt_tokens)
-            for b in self.prefill_rows:
-                rows = [(s, ids, 2, 0, 0, 1) for s in range(b)]
-                times = []
-                for _ in range(repeats + 1):  # the first call only warms the caches
-                    t0 = time.perf_counter()
-                    state, pre = self._prefill_many(state, rows)
-                    jax.block_until_ready(pre)
-                    times.append(time.perf_counter() - t0)
-                out[(b, t)] = float(np.median(times[1:]))
-        return out
+        return self.shapes.profile_prefill(repeats)
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self, background: bool = False) -> Engine:
@@ -808,7 +438,7 @@ class Engine:
                  h.params.top_k, h.params.top_p)
                 for slot, h in chunk
             ]  # fmt: skip
-            self._state, pre = self._prefill_many(self._state, rows)
+            self._state, pre = self.shapes.prefill_many(self._state, rows)
             owners: list = [None] * len(self._slots)  # slot -> (request, batch row)
             for i, (slot, h) in enumerate(chunk):
                 a = _Active(h, self.tokenizer, set(self.tokenizer.stop_ids))
@@ -823,7 +453,10 @@ class Engine:
             occupied = sum(a is not None for a in owners)
             self._state, out, budget, index = self.policy.dispatch(self._state, occupied)
             self._inflight.append(("round", out, owners, budget, t_dispatch, index))
-            self.stats.dispatch_seconds += time.perf_counter() - t0
+            # Two-phase Algorithm 1 waits for its plan inside dispatch: device time.
+            waited = self.policy.last_wait_seconds
+            self.stats.device_wait_seconds += waited
+            self.stats.dispatch_seconds += time.perf_counter() - t0 - waited
             # Process everything older than the round just dispatched (overlaps with it).
             while len(self._inflight) > 1:
                 self._process_oldest()
@@ -887,32 +520,10 @@ class Engine:
     # -- per-request host work -----------------------------------------------------------
     def _accept_tokens(self, slot: int, a: _Active, tokens: list[int], code: int) -> None:
         """Append emitted tokens, detokenise, apply stop ids / stop strings, stream."""
-        stops = a.handle.params.stop
-        new_ids: list[int] = []
-        reason, by_stop_string = None, False
-        for tok in tokens:
-            new_ids.append(tok)
-            a.token_ids.append(tok)
-            if tok in a.stop_ids:  # EOS or another end-of-text marker: not part of the text
-                reason = "stop"
-                break
-            a.text += a.detok.add(tok)
-            cut = _find_stop(a.text, stops, a.sent) if stops else None
-            if cut is not None:
-                a.text, reason, by_stop_string = a.text[:cut], "stop", True
-                break
-        if reason is None and code != FINISH_NONE:
-            reason = "stop" if code == FINISH_EOS else "length"
-        if reason is not None and not by_stop_string:
-            # Generation is over: release text held back for an unfinished UTF-8 char.
-            a.text += a.detok.flush()
-            cut = _find_stop(a.text, stops, a.sent) if stops else None
-            if cut is not None:
-                a.text = a.text[:cut]
-        # Text that might be the start of a stop string waits for the next tokens.
-        safe = len(a.text) if reason is not None else len(a.text) - _holdback(a.text, stops)
-        piece = a.text[a.sent : safe] if safe > a.sent else ""
-        a.sent = max(a.sent, safe)
+        device_reason = None
+        if code != FINISH_NONE:
+            device_reason = "stop" if code == FINISH_EOS else "length"
+        new_ids, piece, reason, _ = a.stream.add(tokens, device_reason)
         if new_ids:
             a.handle._deliver(Delta(piece, new_ids))
         if reason is None:
@@ -933,15 +544,15 @@ class Engine:
         if a.done:
             return
         a.done = True
-        if reason in ("cancelled", "abort", "error") and a.sent < len(a.text):
-            a.text = a.text[: a.sent]
+        if reason in ("cancelled", "abort", "error"):
+            a.stream.drop_unsent()
         res = Result(
             request_id=a.handle.id,
-            text=a.text,
-            token_ids=list(a.token_ids),
+            text=a.stream.text,
+            token_ids=list(a.stream.token_ids),
             finish_reason=reason,
             prompt_tokens=len(a.handle.prompt_ids),
-            completion_tokens=len(a.token_ids),
+            completion_tokens=len(a.stream.token_ids),
             rounds=a.rounds,
             mean_accepted_length=a.accepted / max(a.rounds, 1),
             mean_verified=a.verified / max(a.rounds, 1),
@@ -958,75 +569,8 @@ class Engine:
             self.listener.on_finish(res)
 
 
-def _find_stop(text: str, stops: Sequence[str], sent: int) -> int | None:
-    """Index of the earliest stop string in ``text`` that is not inside already-streamed
-    text (streamed text never contains a whole stop string, so search just before it)."""
-    best = None
-    for s in stops:
-        i = text.find(s, max(0, sent - len(s) + 1))
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return best
-
-
-def _holdback(text: str, stops: Sequence[str]) -> int:
-    """Characters at the end of ``text`` that could begin a stop string: they are not
-    streamed until the next tokens decide."""
-    keep = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), keep, -1):
-            if text.endswith(s[:k]):
-                keep = k
-                break
-    return keep
-
-
-# ------------------------------------------------------------------------------------------
-# model loading
-# ------------------------------------------------------------------------------------------
-def load_models(target_dir: str, drafter_dir: str | None = None, dtype=None):
-    """``(target, target_params, tokenizer, drafter, drafter_params, sts)`` from a Hugging
-    Face Qwen3 directory (with ``tokenizer.json``) and an optional drafter directory;
-    ``sts`` is the drafter's calibration from its ``sts.json`` (or None)."""
-    import os
-
-    from dspark_jax.convert import load_hf
-    from dspark_jax.eval.calibration import load_sts
-    from dspark_jax.models.qwen3 import Qwen3
-
-    if not os.path.isdir(target_dir):
-        raise FileNotFoundError(f"target model directory {target_dir} does not exist")
-    config, params = load_hf(target_dir, dtype=dtype)
-    tokenizer = Tokenizer(target_dir)
-    target = Qwen3(config)
-    drafter = drafter_params = sts = None
-    if drafter_dir is not None:
-        if not os.path.isdir(drafter_dir):
-            raise FileNotFoundError(f"drafter directory {drafter_dir} does not exist")
-        try:
-            from dspark_jax.models.drafter_io import load_drafter
-        except ImportError as e:  # pragma: no cover - depends on the package version
-            raise RuntimeError(
-                "loading a drafter needs dspark_jax.models.drafter_io.load_drafter, which "
-                f"this installation lacks ({e})"
-            ) from e
-        drafter, drafter_params = load_drafter(drafter_dir, config)
-        gamma = drafter.config.draft_len
-        sts = load_sts(drafter_dir, gamma)
-    return target, params, tokenizer, drafter, drafter_params, sts
-
-
-__all__ = [
-    "Delta",
-    "Engine",
-    "EngineClosed",
-    "EngineConfig",
-    "EngineError",
-    "EngineStats",
-    "InvalidRequest",
-    "QueueFull",
-    "RequestHandle",
-    "Result",
-    "SamplingParams",
-    "load_models",
-]
+# The serving API in one import (re-exported from the modules that define it).
+__all__ = [  # noqa: RUF022
+    "Delta", "Engine", "EngineClosed", "EngineConfig", "EngineError", "EngineStats",
+    "InvalidRequest", "QueueFull", "RequestHandle", "Result", "SamplingParams", "load_models",
+]  # fmt: skip

@@ -1,0 +1,166 @@
+"""Every shape the serving engine runs, compiled before the first request (DESIGN §5.2):
+prompt length buckets × prefill row counts, and the round policy's verify buckets; the SPS
+profile of those buckets; and the count of executables compiled since (which must stay 0).
+The one place that knows the engine's shapes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from dspark_jax.decode.autoregressive import length_bucket
+from dspark_jax.decode.policy import RoundPolicy
+from dspark_jax.decode.step import SpeculativeDecoder
+from dspark_jax.sched import sps as sps_lib
+
+__all__ = ["MIN_PROMPT_BUCKET", "ServingShapes"]
+
+MIN_PROMPT_BUCKET = 16  # smallest prefill length bucket (autoregressive.length_bucket)
+
+Progress = Callable[[str, int, int, str], None]  # (phase, step, of, detail)
+
+
+class ServingShapes:
+    """Prompt buckets, prefill batching, warm-up and profiling of one engine's decoder.
+
+    ``config`` is the engine's ``EngineConfig`` (slots, max_len, prefill_batch, seed,
+    model_name, sps_cache, sps_repeats); warm-up prompts use the id after ``eos_id``.
+    """
+
+    def __init__(self, decoder: SpeculativeDecoder, policy: RoundPolicy, config, eos_id: int):
+        self.decoder = decoder
+        self.policy = policy
+        self.config = config
+        self.dummy_id = eos_id + 1
+        self.prompt_buckets = self._prompt_buckets(config.max_len)
+        self._baseline: int | None = None
+
+    # -- shapes --------------------------------------------------------------------------
+    @staticmethod
+    def _prompt_buckets(max_len: int) -> tuple[int, ...]:
+        """Powers of two from 16, the last one capped at ``max_len`` (a prompt must leave
+        room for one generated token, so lengths up to ``max_len - 2`` are served)."""
+        out, b = [], MIN_PROMPT_BUCKET
+        while True:
+            out.append(min(b, max_len))
+            if b >= max_len:
+                return tuple(sorted(set(out)))
+            b *= 2
+
+    def bucket_for(self, n: int) -> int:
+        return min(length_bucket(n, MIN_PROMPT_BUCKET), self.config.max_len)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.config.max_len - 2
+
+    @property
+    def prefill_rows(self) -> tuple[int, ...]:
+        """Compiled prefill batch sizes: 1, and ``prefill_batch`` (capped at the slots)."""
+        return tuple(sorted({1, min(self.config.prefill_batch, self.config.num_slots)}))
+
+    def prefill_many(self, state, rows):
+        """One prefill call for ``rows`` of ``(slot, ids, max_new, temperature, top_k,
+        top_p)`` (at most ``max(prefill_rows)``): prompts padded to the longest one's
+        length bucket, the batch padded to a compiled size with rows aimed at slot
+        ``num_slots``, whose cache and state writes are dropped (out-of-range scatter)."""
+        n = len(rows)
+        b = next(k for k in self.prefill_rows if k >= n)
+        t = max(self.bucket_for(len(r[1])) for r in rows)
+        slots = np.full((b,), self.config.num_slots, np.int32)
+        prompts = np.zeros((b, t), np.int32)
+        lengths = np.ones((b,), np.int32)
+        max_new = np.ones((b,), np.int32)
+        temps = np.zeros((b,), np.float32)
+        top_k = np.zeros((b,), np.int32)
+        top_p = np.ones((b,), np.float32)
+        for i, (slot, ids, mn, temp, k, p) in enumerate(rows):
+            slots[i], lengths[i], max_new[i] = slot, len(ids), mn
+            prompts[i, : len(ids)] = ids
+            temps[i], top_k[i], top_p[i] = temp, k, p
+        return self.decoder.prefill(state, slots, prompts, lengths, max_new, temps, top_k, top_p)
+
+    def _fill_all_slots(self, state):
+        """Prefill every slot with a short dummy prompt that keeps them active."""
+        dummy = [self.dummy_id] * 4
+        for s in range(self.config.num_slots):
+            state, _ = self.prefill_many(state, [(s, dummy, self.config.max_len, 0.0, 0, 1.0)])
+        return state
+
+    # -- compilation ---------------------------------------------------------------------
+    @property
+    def compilations_after_warmup(self) -> int:
+        """Executables compiled since warm-up (0 means every shape was pre-compiled)."""
+        if self._baseline is None:
+            return 0
+        return self.decoder.compiled_executables() - self._baseline
+
+    def profile_sps(self, progress: Progress) -> sps_lib.SPSTable:
+        """SPS(B), B = R + K, for every verify bucket with the decoder's own executables
+        (DESIGN §5.3); cached in ``config.sps_cache`` when given. Doubles as compilation."""
+        cfg = self.config
+        key = sps_lib.cache_key(
+            cfg.model_name,
+            self.policy.scheduler,
+            f"R={cfg.num_slots}",
+            f"gamma={self.decoder.gamma}",
+            f"max_len={cfg.max_len}",
+        )
+        return self.policy.profile_sps(
+            cache_path=cfg.sps_cache,
+            key=key,
+            repeats=cfg.sps_repeats,
+            progress=lambda b, i, n: progress("profiling SPS", i, n, f"B = {b}"),
+        )
+
+    def warmup(self, progress: Progress) -> None:
+        """Compile every (prefill rows, prompt bucket) and every verify bucket."""
+        state = self.decoder.init_state(self.config.seed)
+        r = self.config.num_slots
+        n_prefill = len(self.prompt_buckets) * len(self.prefill_rows)
+        # Twice: fresh (uncommitted) arrays and round outputs must hit the same executables.
+        # The first pass compiles (progress is reported for it); the second only checks.
+        for rep in range(2):
+            shown = rep == 0
+            i = 0
+            for t in self.prompt_buckets:
+                ids = [1] * min(t, self.max_prompt_tokens)
+                for b in self.prefill_rows:
+                    i += 1
+                    if shown:
+                        progress("compiling prefill", i, n_prefill, f"{b} x {t} tokens")
+                    state, _ = self.prefill_many(state, [(s, ids, 2, 0, 0, 1) for s in range(b)])
+            state = self._fill_all_slots(state)
+
+            def on_bucket(k, i, n):
+                progress("compiling verify round", i, n, f"B = {r + k}")
+
+            state = self.policy.warmup(state, on_bucket if shown else None)
+            state = self.decoder.release(state, 0)
+            state = state._replace(rng=jax.random.key(self.config.seed))
+        jax.block_until_ready(state.seq_len)
+        self._baseline = self.decoder.compiled_executables()
+
+    def profile_prefill(self, repeats: int = 3) -> dict[tuple[int, int], float]:
+        """Median seconds of one prefill call per ``(rows, prompt bucket)`` on a fresh
+        decode state (the caller makes sure nothing else uses the decoder)."""
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        state = self.decoder.init_state(self.config.seed)
+        out: dict[tuple[int, int], float] = {}
+        for t in self.prompt_buckets:
+            ids = [1] * min(t, self.max_prompt_tokens)
+            for b in self.prefill_rows:
+                rows = [(s, ids, 2, 0, 0, 1) for s in range(b)]
+                times = []
+                for _ in range(repeats + 1):  # the first call only warms the caches
+                    t0 = time.perf_counter()
+                    state, pre = self.prefill_many(state, rows)
+                    jax.block_until_ready(pre)
+                    times.append(time.perf_counter() - t0)
+                out[(b, t)] = float(np.median(times[1:]))
+        return out

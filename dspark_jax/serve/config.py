@@ -1,0 +1,95 @@
+"""The serving engine's settings and its counters (read by ``/metrics``)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+__all__ = ["EngineConfig", "EngineStats"]
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Engine settings.
+
+    num_slots: decode slots R. max_len: cache positions per slot (prompt + output).
+    scheduler: none | fixed | threshold | prefix | topk (DESIGN §5.3).
+    max_queue: bound of the admission queue (full -> ``QueueFull``).
+    verify_buckets: compiled verify budgets K (default ``policy.default_buckets``): topk
+      rounds its budget up to one, prefix its Σ l, fixed/threshold γ per occupied slot;
+      SPS is profiled on these for ``prefix``/``topk``.
+    sps_cache: JSON file caching the SPS table (``sched.sps.load_or_profile``); None = none.
+    sps_repeats: timed calls per bucket when profiling.
+    """
+
+    num_slots: int = 8
+    max_len: int = 512
+    scheduler: str = "topk"
+    max_queue: int = 256
+    threshold: float = 0.5
+    fixed_length: int | None = None
+    verify_buckets: tuple[int, ...] | None = None
+    seed: int = 0
+    sps_cache: str | None = None
+    sps_repeats: int = 5
+    model_name: str = "dspark"
+    # Requests admitted together are prefilled in one call of this many rows (padded with
+    # rows that write nothing); 1 prefills one request per call.
+    prefill_batch: int = 4
+
+    def __post_init__(self):
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+        if self.prefill_batch < 1:
+            raise ValueError(f"prefill_batch must be >= 1, got {self.prefill_batch}")
+        if self.max_len < 4:
+            raise ValueError(f"max_len must be >= 4, got {self.max_len}")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters since start (read by ``/metrics``; written by the engine thread)."""
+
+    rounds: int = 0
+    requests_finished: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    slot_rounds: int = 0  # (slot, round) pairs that emitted tokens
+    emitted_tokens: int = 0  # tokens emitted by rounds (τ numerator)
+    budget_sum: int = 0
+    last_round_seconds: float = 0.0
+    last_budget: int = 0
+    last_tau: float = 0.0
+    # The engine thread's time, by what it was doing (the round timeline): dispatching
+    # work to the device (prefill and rounds, incl. choosing the budget), waiting for a
+    # round's output, host processing of outputs (detokenising, stop strings, delivery),
+    # and idle (no request anywhere). Host share = (dispatch + host) / busy time.
+    dispatch_seconds: float = 0.0
+    device_wait_seconds: float = 0.0
+    host_seconds: float = 0.0
+    idle_seconds: float = 0.0
+
+    @property
+    def host_share(self) -> float:
+        """Share of the engine thread's busy time spent on the host (not waiting)."""
+        busy = self.dispatch_seconds + self.device_wait_seconds + self.host_seconds
+        return (self.dispatch_seconds + self.host_seconds) / busy if busy else 0.0
+
+    def timeline(self) -> dict[str, float]:
+        return {
+            "dispatch_seconds": self.dispatch_seconds,
+            "device_wait_seconds": self.device_wait_seconds,
+            "host_seconds": self.host_seconds,
+            "idle_seconds": self.idle_seconds,
+            "host_share": self.host_share,
+        }
+
+    @property
+    def mean_tau(self) -> float:
+        return self.emitted_tokens / max(self.slot_rounds, 1)
+
+    @property
+    def mean_budget(self) -> float:
+        return self.budget_sum / max(self.rounds, 1)

@@ -1,0 +1,131 @@
+"""Request and response types of the serving engine, and request validation (DESIGN §6).
+
+``SamplingParams.validate`` turns every bad field into an ``InvalidRequest`` naming it (the
+HTTP layer maps it to a 400); ``QueueFull`` / ``EngineClosed`` are the overload answers
+(429 / 503).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+MAX_STOP_STRINGS = 4  # the OpenAI API's limit
+
+
+# ------------------------------------------------------------------------------------------
+# errors
+# ------------------------------------------------------------------------------------------
+class EngineError(RuntimeError):
+    """Base of the engine's request-level errors."""
+
+
+class QueueFull(EngineError):
+    """The admission queue is at its bound (HTTP 429)."""
+
+
+class EngineClosed(EngineError):
+    """The engine is draining or stopped and accepts no new requests (HTTP 503)."""
+
+
+class InvalidRequest(ValueError):
+    """A request parameter is invalid; ``param`` names the offending field (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+# ------------------------------------------------------------------------------------------
+# requests and results
+# ------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings.
+
+    temperature 0 = greedy. top_k 0 = off. top_p 1 = off. ``stop``: up to 4 strings; the
+    output is cut before the first occurrence. ``seed``: see the module docstring.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def validate(self, max_len: int) -> None:
+        def bad(field, msg):
+            raise InvalidRequest(f"{field} {msg}", field)
+
+        mt = self.max_tokens
+        if isinstance(mt, bool) or not isinstance(mt, int | np.integer):
+            bad("max_tokens", f"must be an integer, got {mt!r}")
+        if mt < 1:
+            bad("max_tokens", f"must be >= 1, got {mt}")
+        if mt > max_len - 1:
+            bad(
+                "max_tokens",
+                f"is {mt} but this server's cache holds {max_len} positions; at most "
+                f"{max_len - 1} tokens can be generated",
+            )
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
+            bad("temperature", f"must be a finite number, got {t!r}")
+        if not 0.0 <= t <= 100.0:
+            bad("temperature", f"must be in [0, 100], got {t}")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 0:
+            bad("top_k", f"must be an integer >= 0 (0 disables it), got {k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 < p <= 1.0:
+            bad("top_p", f"must be a number in (0, 1], got {p!r}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
+            bad("stop", f"must be a string or a list of strings, got {self.stop!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(s == "" for s in self.stop):
+            bad("stop", "strings must be non-empty")
+        s = self.seed
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int | np.integer)):
+            bad("seed", f"must be an integer, got {s!r}")
+        if s is not None and not 0 <= s < 2**63:
+            bad("seed", f"must be in [0, 2**63), got {s}")
+
+
+@dataclasses.dataclass
+class Delta:
+    """A streamed piece of a request's output."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclasses.dataclass
+class Result:
+    """The final event of a request."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "cancelled" | "abort" | "error"
+    prompt_tokens: int
+    completion_tokens: int
+    rounds: int  # decode rounds that produced tokens for this request
+    mean_accepted_length: float  # τ: tokens per round incl. the bonus token
+    mean_verified: float  # draft tokens sent to the target per round
+    error: str | None = None
+
+
+__all__ = [
+    "MAX_STOP_STRINGS",
+    "Delta",
+    "EngineClosed",
+    "EngineError",
+    "InvalidRequest",
+    "QueueFull",
+    "Result",
+    "SamplingParams",
+]
