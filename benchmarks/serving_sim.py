@@ -299,6 +299,43 @@ def modelled_prefill(roof: dict):
     return f
 
 
+def floor_tables(roofs: dict, slots: int):
+    """Round time at the floor for ``slots`` slots, derived without compiling: per chip,
+    max(hand-counted flops / peak, floor bytes / HBM bandwidth), the floor's KV cache and
+    drafter context scaled from the roofline's R to ``slots`` (same max_len, sharding,
+    chip). Budgets: ``default_buckets(slots, γ)``. A derived figure, labelled as such."""
+    from dspark_jax.decode.policy import default_buckets
+    from dspark_jax.models.drafter_config import DrafterConfig
+    from dspark_jax.models.presets import get_preset
+    from dspark_jax.perf.roofline import round_flops_hand_count
+    from dspark_jax.sched.sps import SPSTable
+
+    tables, buckets = {}, {}
+    for kind, roof in roofs.items():
+        target = get_preset(roof["target"])
+        drafter = None if roof["drafter"] is None else DrafterConfig(**roof["drafter"])
+        chip, n_chips = roof["chip"], math.prod(roof["mesh"].values())
+        parts = roof["rows"][0]["floor_parts"]
+        scale = slots / roof["slots"]
+        floor_bytes = (parts["target_weights"] + parts["drafter_weights"]
+                       + scale * (parts["kv_cache"] + parts["drafter_context"]))  # fmt: skip
+        g = 0 if drafter is None else drafter.draft_len
+        ks = (0,) if g == 0 else tuple(default_buckets(slots, g))
+        context = max(1, round(roof["context_fraction"] * roof["max_len"]))
+        secs = {}
+        for k in sorted({0, *ks}):
+            flops = (
+                round_flops_hand_count(target, drafter, slots=slots, budget=k, context_len=context)[
+                    "total"
+                ]
+                / n_chips
+            )
+            secs[slots + k] = max(flops / (chip["bf16_tflops"] * 1e12),
+                                  floor_bytes / (chip["hbm_gb_per_s"] * 1e9))  # fmt: skip
+        tables[kind], buckets[kind] = SPSTable.from_seconds(secs), ks
+    return tables, buckets
+
+
 def modelled(args) -> dict:
     from dspark_jax.perf.serving_report import serving_goals
     from dspark_jax.perf.serving_sim import Arm, Workload, simulate
@@ -334,22 +371,31 @@ def modelled(args) -> dict:
         "requests_per_client": args.requests_per_client,
         "curves": {},
     }
+    curves = []
     for curve, field in (("compiled", "modelled_ms"), ("floor", "floor_ms")):
-        tables = {d: SPSTable.from_seconds({x["B"]: x[field] / 1e3 for x in r["rows"]})
-                  for d, r in roofs.items()}  # fmt: skip
+        tables, buckets = {}, {}
+        for d, r in roofs.items():
+            tables[d] = SPSTable.from_seconds({x["B"]: x[field] / 1e3 for x in r["rows"]})
+            # The budgets the roofline compiled (its SPS is known only there).
+            buckets[d] = tuple(sorted(x["budget"] for x in r["rows"] if x["budget"] > 0)) or (0,)
+        curves.append((curve, slots, tables, buckets))
+    if args.floor_slots:
+        n = args.floor_slots
+        tables, buckets = floor_tables(roofs, n)
+        curves.append((f"floor, R = {n}", n, tables, buckets))
+    out["curve_slots"] = {}
+    for curve, r_slots, tables, buckets in curves:
         arms = {}
         for name, scheduler, drafter in ARMS:
             kind = drafter or "none"
             g = {"dspark": gamma, "mtp1": 1, "none": 0}[kind]
-            # The budgets the roofline compiled (its SPS is known only there).
-            compiled = sorted(x["budget"] for x in roofs[kind]["rows"] if x["budget"] > 0)
-            buckets = (0,) if g == 0 else tuple(compiled)
-            arm = Arm(name, scheduler, g, tables[kind], buckets,
-                      two_phase=scheduler == "prefix" and len(buckets) > 1)  # fmt: skip
+            b = (0,) if g == 0 else buckets[kind]
+            arm = Arm(name, scheduler, g, tables[kind], b,
+                      two_phase=scheduler == "prefix" and len(b) > 1)  # fmt: skip
             rows = []
             for c in levels:
                 wl = Workload(c, args.requests_per_client, args.max_tokens, prompt_tokens)
-                r = simulate(arm, traces[drafter], wl, slots=slots, prefill_seconds=prefill,
+                r = simulate(arm, traces[drafter], wl, slots=r_slots, prefill_seconds=prefill,
                              host_seconds=host)  # fmt: skip
                 r.pop("budgets")
                 rows.append(r)
@@ -360,7 +406,11 @@ def modelled(args) -> dict:
                     flush=True,
                 )
             arms[name] = rows
-        out["curves"][curve] = {"arms": arms, "goals": serving_goals(arms)}
+        t = tables["dspark"]
+        flatness = t.sps[-1] / t(r_slots)  # SPS(R·(γ+1)) / SPS(R): how free verifying is
+        out["curves"][curve] = {"arms": arms, "goals": serving_goals(arms),
+                                "sps_full_over_anchor": flatness}  # fmt: skip
+        out["curve_slots"][curve] = r_slots
     return out
 
 
@@ -378,12 +428,18 @@ def modelled_markdown(res: dict) -> str:
         f"EOS/64 tokens), prefill from a hand count, host {1e3 * res['host_seconds_per_round']:.2f}"
         " ms per round (the CPU engine's measured). Above R clients requests queue. "
         "`compiled`: today's round as XLA:TPU compiles it; `floor`: the same round if it moved "
-        "only the bytes it must (the kernels issue's target). Modelled, not measured.",
+        "only the bytes it must (the kernels issue's target); `floor, R = N`: the floor "
+        "derived from hand counts for N slots (no compile; KV cache and drafter context "
+        "scaled). Modelled, not measured.",
         "",
     ]
     for curve, data in res["curves"].items():
         lines += [
-            f"## Round cost: {curve}",
+            f"## Round cost: {curve} ({res.get('curve_slots', {}).get(curve, res['slots'])} slots)",
+            "",
+            f"DSpark round SPS(R·(γ+1)) / SPS(R) = {data['sps_full_over_anchor']:.2f} "
+            "(1 = verifying every draft is free; the lower, the more a scheduler that prunes "
+            "drafts can gain over fixed γ).",
             "",
             *serving_table(data["arms"], agg_digits=0, round_budget=True),
         ]
@@ -416,7 +472,8 @@ def plot(res: dict, prefix: str) -> None:
             ax.legend(fontsize=7)
         fig.suptitle(f"simulated serving, {res['topology']} tensor {res['tensor']}, round {curve}")
         fig.tight_layout()
-        fig.savefig(f"{prefix}_{curve}.png", dpi=110)
+        tag = curve.replace(", R = ", "_R").replace(" ", "_")
+        fig.savefig(f"{prefix}_{tag}.png", dpi=110)
         plt.close(fig)
 
 
@@ -431,6 +488,13 @@ def main(argv=None) -> int:
                    help="roofline output prefix; _mtp1 and _none files beside it")  # fmt: skip
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--floor-slots",
+        type=int,
+        default=256,
+        help="also simulate the floor round at this many slots (derived from hand counts, "
+        "no compile; 0 = off)",
+    )
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--out", default=None, help="output prefix")
     args = p.parse_args(argv)
