@@ -287,19 +287,20 @@ def verify_section(vc) -> list[str]:
     text = (RESULTS / "verify_cost.md").read_text().splitlines()
     return (
         ["## Verify cost and step anatomy", "", "    python benchmarks/verify_cost.py", ""]
-        + [line.replace("# ", "### ", 1) if line.startswith("# ") else line for line in text]
+        + [_demote(line) for line in text]
         + [""]
     )
+
+
+def _demote(line: str) -> str:
+    """A result file's headings, two levels down (its title becomes ###)."""
+    return "##" + line if line.startswith("#") else line
 
 
 def _included(path, title: str, command: str) -> list[str]:
     """A generated Markdown result file as a section (its own title demoted)."""
     text = path.read_text().splitlines()
-    return (
-        [title, "", f"    {command}", ""]
-        + [line.replace("# ", "### ", 1) if line.startswith("# ") else line for line in text]
-        + [""]
-    )
+    return [title, "", f"    {command}", ""] + [_demote(line) for line in text] + [""]
 
 
 def aot_section() -> list[str]:
