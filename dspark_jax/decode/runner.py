@@ -80,10 +80,16 @@ class Runner:
     ):
         self.decoder = decoder
         self.policy = RoundPolicy(decoder, buckets)
-        self.buckets = self.policy.buckets
-        self.two_phase = self.policy.two_phase
         self.record_details = record_details
         self.seed = seed
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return self.policy.buckets
+
+    @property
+    def two_phase(self) -> bool:
+        return self.policy.two_phase
 
     def warmup(self, prompt_buckets: Sequence[int] = ()) -> None:
         """Compile every verify bucket (and the given prompt buckets) before timing."""

@@ -136,10 +136,7 @@ class Engine:
         # Verify buckets, the budget rule, two-phase Algorithm 1 and warm-up of the rounds:
         # the same policy the offline runner uses (decode/policy.py).
         self.policy = RoundPolicy(self.decoder, cfg.verify_buckets)
-        self.verify_buckets = self.policy.buckets
-        self.two_phase = self.policy.two_phase
         self.shapes = ServingShapes(self.decoder, self.policy, cfg, tokenizer.eos_id)
-        self.prompt_buckets = self.shapes.prompt_buckets
         self.sps_table: sps_lib.SPSTable | None = None
 
         self.stats = EngineStats()
@@ -159,6 +156,18 @@ class Engine:
         self._state = None
 
     # -- shapes, warm-up, profiling (serve/compilation.py) --------------------------------
+    @property
+    def verify_buckets(self) -> tuple[int, ...]:
+        return self.policy.buckets
+
+    @property
+    def two_phase(self) -> bool:
+        return self.policy.two_phase
+
+    @property
+    def prompt_buckets(self) -> tuple[int, ...]:
+        return self.shapes.prompt_buckets
+
     @property
     def max_prompt_tokens(self) -> int:
         return self.shapes.max_prompt_tokens
