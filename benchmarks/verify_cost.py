@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from dspark_jax.decode.policy import default_buckets
 from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
+from dspark_jax.models.draft_api import DraftContext, SamplingSettings
 from dspark_jax.models.drafters import DrafterConfig, init_drafter_params, make_drafter
 from dspark_jax.models.presets import get_preset
 from dspark_jax.models.qwen3 import Qwen3
@@ -97,7 +98,7 @@ def main(argv=None) -> dict:
     @jax.jit
     def feature_draft_fn(p, s, k):
         out = drafter.apply(
-            {"params": p[1]}, feats, s.seq_len, s.anchor, k, 0.0, 0, 1.0,
+            {"params": p[1]}, DraftContext(feats, s.seq_len), s.anchor, k, SamplingSettings(),
             dec._embed_fn(p[0]), dec._lm_head_fn(p[0]), method="draft",
         )  # fmt: skip
         return out.tokens, out.probs

@@ -13,6 +13,7 @@ from scipy import stats
 from dspark_jax.decode.autoregressive import generate as ar_generate
 from dspark_jax.decode.runner import Request, Runner
 from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
+from dspark_jax.models.draft_api import DraftContext, SamplingSettings
 from dspark_jax.models.drafters import DrafterConfig, init_drafter_params, make_drafter
 from dspark_jax.models.presets import PRESETS
 from dspark_jax.models.qwen3 import Qwen3
@@ -494,8 +495,9 @@ def test_kv_cached_context_matches_feature_draft(target, kind):
         feats[r, : seq_len[r]] = np.asarray(dec._features(taps, None)[0])
     _, draft_key, _ = jax.random.split(state.rng, 3)
     ref = drafter.apply(
-        {"params": dparams}, jnp.asarray(feats), state.seq_len, state.anchor, draft_key, 1.0,
-        0, 1.0, dec._embed_fn(params), dec._lm_head_fn(params), method="draft",
+        {"params": dparams}, DraftContext(jnp.asarray(feats), state.seq_len), state.anchor,
+        draft_key, SamplingSettings(1.0, 0, 1.0), dec._embed_fn(params), dec._lm_head_fn(params),
+        method="draft",
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(plan.draft_probs), np.asarray(ref.probs), atol=2e-5)
     np.testing.assert_array_equal(np.asarray(plan.draft_tokens), np.asarray(ref.tokens))

@@ -24,6 +24,7 @@ from dspark_jax.convert.deepspec import (
     save_deepspec_drafter,
 )
 from dspark_jax.convert.hf_qwen3 import param_shapes, save_hf
+from dspark_jax.models.draft_api import DraftContext, SamplingSettings
 from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.drafter_io import load_drafter
 from dspark_jax.models.drafters import init_drafter_params, make_drafter
@@ -239,7 +240,14 @@ def draft_fn(cfg, embed, lm_head):
     module = make_drafter(cfg, TGT)
     fn = jax.jit(
         lambda p, f, c, a, key, temp: module.apply(
-            {"params": p}, f, c, a, key, temp, 0, 1.0, embed, lm_head, method="draft"
+            {"params": p},
+            DraftContext(f, c),
+            a,
+            key,
+            SamplingSettings(temp),
+            embed,
+            lm_head,
+            method="draft",
         )
     )
     # temperature is traced ([R]) so greedy and sampled runs share one compile

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.models.backbone import apply_lm_head
+from dspark_jax.models.draft_api import DraftContext, SamplingSettings
 from dspark_jax.models.drafter_config import DrafterConfig, default_taps, eagle3_default_taps
 from dspark_jax.models.drafters import feature_dim, init_drafter_params, make_drafter
 from dspark_jax.models.qwen3 import Qwen3Config
@@ -108,16 +109,12 @@ def _draft_fn(d):
     def f(p, feats, ctx_len, anchors, rng, temperature, top_k=0, context_tokens=None):
         return d.apply(
             {"params": p},
-            feats,
-            ctx_len,
+            DraftContext(feats, ctx_len, context_tokens),
             anchors,
             rng,
-            temperature,
-            top_k,
-            1.0,
+            SamplingSettings(temperature, top_k, 1.0),
             embed,
             lm,
-            context_tokens=context_tokens,
             method="draft",
         )
 

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.decode.verify import verify_greedy, verify_sampling
+from dspark_jax.models.draft_api import DraftContext, SamplingSettings
 from dspark_jax.models.qwen3 import KVCache, Qwen3, init_cache
 from dspark_jax.ops.sampling import process_logits, sample
 from dspark_jax.sched import policies
@@ -463,19 +464,24 @@ class SpeculativeDecoder:
             probs = jnp.full((r, g, v), 1.0 / v, jnp.float32)
             return jnp.zeros((r, g), jnp.int32), probs, jnp.ones((r, g), jnp.float32), None
         tp, dp = params[0], params[1]
+        context = DraftContext(
+            state.ctx_feats,  # K/V rows for DSpark/DFlash, else target features
+            state.seq_len,
+            state.ctx_tokens,
+            cached=self.kv_cache,
+        )
+        sampling = SamplingSettings(
+            state.temperature if self.config.sampling else 0.0, state.top_k, state.top_p
+        )
         out = self.drafter.apply(
             {"params": dp},
-            state.ctx_feats,  # tap features, or K/V rows for DSpark/DFlash
-            state.seq_len,
+            context,
             state.anchor,
             key,
-            state.temperature if self.config.sampling else 0.0,
-            state.top_k,
-            state.top_p,
+            sampling,
             self._embed_fn(tp),
             self._lm_head_fn(tp),
-            context_tokens=state.ctx_tokens,
-            method="draft_from_cache" if self.kv_cache else "draft",
+            method="draft",
         )
         if out.confidence_logits is None:
             conf = jnp.ones((r, g), jnp.float32)

@@ -4,13 +4,9 @@
 returns the Linen module; ``init_drafter_params`` creates its (boxed, logically named)
 parameters without touching the real target embedding (zeros stand in, shape-only).
 
-All drafters share the ``draft`` signature::
-
-    module.apply({"params": p}, context_feats [R, M, F], ctx_len [R], anchor_tokens [R], rng,
-                 temperature, top_k, top_p, embed, lm_head, context_tokens=None,
-                 method="draft") -> DraftOutput
-
-with ``F = feature_dim(config, target)``; EAGLE-3 and MTP-1 also need ``context_tokens``.
+All drafters share one ``draft`` signature (``models/draft_api.py``): a ``DraftContext``
+whose rows are ``feature_dim(config, target)`` wide (or cached K/V rows), the anchors, a
+key, ``SamplingSettings``, and the target's embedding / LM head.
 """
 
 from __future__ import annotations
@@ -19,14 +15,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.models.draft_api import DraftContext, DraftOutput, SamplingSettings
 from dspark_jax.models.drafter_config import DrafterConfig
-from dspark_jax.models.dspark import DraftOutput, DSparkDrafter
+from dspark_jax.models.dspark import DSparkDrafter
 from dspark_jax.models.eagle3 import Eagle3Drafter
 from dspark_jax.models.mtp import MTPDrafter
 from dspark_jax.models.qwen3 import Qwen3Config
 
 __all__ = [
+    "DraftContext",
     "DraftOutput",
+    "SamplingSettings",
     "DrafterConfig",
     "DSparkDrafter",
     "Eagle3Drafter",
@@ -57,9 +56,7 @@ def make_drafter(drafter_config: DrafterConfig, target_config: Qwen3Config) -> n
 def feature_dim(drafter_config: DrafterConfig, target_config: Qwen3Config) -> int:
     """Width of one context feature row: ``len(taps)·d`` (MTP-1: ``d``, the final hidden)."""
     cfg = drafter_config.resolve(target_config)
-    if cfg.kind == "mtp1":
-        return target_config.hidden_size
-    return len(cfg.taps) * target_config.hidden_size
+    return len(cfg.taps) * target_config.hidden_size if cfg.uses_taps else target_config.hidden_size
 
 
 def init_drafter_params(drafter: nn.Module, rng: jax.Array):
@@ -76,7 +73,7 @@ def init_drafter_params(drafter: nn.Module, rng: jax.Array):
     t = cfg.gamma + 2
     feats = jnp.zeros((1, t, f), tgt.compute_dtype)
     valid = jnp.ones((1, t), bool)
-    if cfg.kind in ("dspark", "dflash"):
+    if cfg.parallel_block:
         args = (
             feats,
             valid,

@@ -19,41 +19,22 @@ DFlash (DeepSpec's baseline) is the same module with no sequential head and no c
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from dspark_jax.models import heads as H
 from dspark_jax.models.backbone import ParallelBackbone, apply_lm_head, embed_tokens
+from dspark_jax.models.draft_api import (
+    DraftContext,
+    DraftOutput,
+    SamplingSettings,
+    check_draft_inputs,
+)
 from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.qwen3 import Qwen3Config
-from dspark_jax.ops.sampling import process_logits, sample
 
 Array = jax.Array
-
-
-class DraftOutput(NamedTuple):
-    """One round of drafts for R slots.
-
-    tokens: ``[R, G]`` int32 draft tokens (G = γ, or 1 for MTP-1).
-    token_probs: ``[R, G]`` draft probability of each sampled token.
-    probs: ``[R, G, V]`` processed draft distribution each token was sampled from (``p_d``
-      for rejection sampling; a point mass at temperature 0).
-    confidence_logits: ``[R, G]`` raw confidence logits ``z_k`` (apply STS temperatures,
-      then σ), or ``None`` without a confidence head.
-    """
-
-    tokens: Array
-    token_probs: Array
-    probs: Array
-    confidence_logits: Array | None
-
-    @property
-    def confidence(self) -> Array | None:
-        """``c_k = σ(z_k)`` (uncalibrated)."""
-        return None if self.confidence_logits is None else jax.nn.sigmoid(self.confidence_logits)
 
 
 def draft_qwen3_config(target: Qwen3Config, num_layers: int) -> Qwen3Config:
@@ -66,14 +47,7 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def check_draft_args(r: int, ctx_len: Array, anchor_tokens: Array, embed, lm_head) -> None:
-    """The argument checks every drafter's draft entry point shares (R slots)."""
-    _check(ctx_len.shape == (r,), f"ctx_len must be [{r}], got {ctx_len.shape}")
-    _check(anchor_tokens.shape == (r,), f"anchor_tokens must be [{r}], got {anchor_tokens.shape}")
-    _check(embed is not None and lm_head is not None, "draft needs embed and lm_head")
-
-
-def sample_scan(step_fn, prev0, extra0, per_step, rng, gamma, temperature, top_k, top_p):
+def sample_scan(step_fn, prev0, extra0, per_step, rng, gamma, sampling: SamplingSettings):
     """Left-to-right sampling inside ``lax.scan``; step k draws with ``split(rng, γ)[k]``.
 
     ``step_fn(prev [R], extra, xs) -> (extra, logits [R, V], conf [R] | None)`` is pure (no
@@ -87,9 +61,7 @@ def sample_scan(step_fn, prev0, extra0, per_step, rng, gamma, temperature, top_k
         prev, extra = carry
         key, inner = xs
         extra, logits, conf = step_fn(prev, extra, inner)
-        probs = process_logits(logits, temperature, top_k, top_p)
-        tok = sample(key, probs)
-        p_tok = jnp.take_along_axis(probs, tok[:, None], axis=-1)[:, 0]
+        tok, p_tok, probs = sampling.draw(key, logits)
         return (tok, extra), (tok, p_tok, probs, conf)
 
     _, (toks, p_toks, probs, confs) = jax.lax.scan(body, (prev0, extra0), (keys, per_step))
@@ -227,88 +199,51 @@ class DSparkDrafter(nn.Module):
     # -- drafting -------------------------------------------------------------------------
     def draft(
         self,
-        context_feats: Array,
-        ctx_len: Array,
+        context: DraftContext,
         anchor_tokens: Array,
         rng: Array,
-        temperature=0.0,
-        top_k=0,
-        top_p=1.0,
-        embed=None,
-        lm_head=None,
-        context_tokens: Array | None = None,
+        sampling: SamplingSettings,
+        embed,
+        lm_head,
     ) -> DraftOutput:
         """Draft γ tokens per slot (the drafting half of the decode step, DESIGN §5.2).
 
-        Args:
-          context_feats: ``[R, M, m·d]`` drafter context cache (tap features of committed
-            positions ``0..ctx_len-1``; rows ``>= ctx_len`` are ignored).
-          ctx_len: ``[R]`` number of valid context rows = the anchor's position.
-          anchor_tokens: ``[R]`` last committed token of each slot.
-          rng: PRNG key; token k uses ``jax.random.split(rng, γ)[k]``.
-          temperature, top_k, top_p: scalars or ``[R]`` (``process_logits`` semantics;
-            temperature 0 = greedy argmax).
-          embed, lm_head: frozen target embedding / LM head.
-          context_tokens: unused (accepted so all drafters share one signature).
+        ``context.rows``: tap features ``[R, M, m·d]`` of committed positions
+        ``0..length-1``, or (``cached=True``) the K/V rows ``context_cache`` wrote for them,
+        ``[R, M, cache_dim]``; both give the same drafts, the cached rows without
+        re-projecting the whole context every round. ``sampling``: scalars or ``[R]``
+        (temperature 0 = greedy argmax). ``embed``, ``lm_head``: the frozen target's.
         """
-        del context_tokens
-        cfg = self.config
-        r, m = context_feats.shape[:2]
-        _check(
-            context_feats.ndim == 3, f"context_feats must be [R, M, m·d], got {context_feats.shape}"
+        r, m = check_draft_inputs(
+            "DSpark",
+            context,
+            anchor_tokens,
+            embed,
+            lm_head,
+            needs_tokens=False,
+            accepts_cached=True,
         )
-        check_draft_args(r, ctx_len, anchor_tokens, embed, lm_head)
-
-        h_ctx = self.backbone.context(context_feats)
-        ctx_pos = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (r, m))
-        ctx_mask = ctx_pos < ctx_len[:, None]
-        block_pos = ctx_len[:, None].astype(jnp.int32) + jnp.arange(cfg.gamma, dtype=jnp.int32)
-        h = self.backbone(
-            self._block_embeds(anchor_tokens, embed),
-            block_pos,
-            h_ctx,
-            ctx_pos,
-            ctx_mask,
-            shared_context=False,
+        ctx_len = context.length
+        ctx_mask = jnp.arange(m, dtype=jnp.int32)[None, :] < ctx_len[:, None]
+        block_pos = ctx_len[:, None].astype(jnp.int32) + jnp.arange(
+            self.config.gamma, dtype=jnp.int32
         )
-        return self._sample_block(h, anchor_tokens, rng, temperature, top_k, top_p, lm_head)
+        block = self._block_embeds(anchor_tokens, embed)
+        if context.cached:
+            h = self.backbone.from_cache(block, block_pos, context.rows, ctx_mask)
+        else:
+            h_ctx = self.backbone.context(context.rows)
+            ctx_pos = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (r, m))
+            h = self.backbone(block, block_pos, h_ctx, ctx_pos, ctx_mask, shared_context=False)
+        return self._sample_block(h, anchor_tokens, rng, sampling, lm_head)
 
-    # -- drafting over a per-slot context K/V cache (the decode step's path) --------------
+    # -- the per-slot context K/V cache (the decode step's path) --------------------------
     def context_cache(self, context_feats: Array, positions: Array) -> Array:
         """Context K/V of every draft layer for tap features ``[..., T, m·d]`` at absolute
         ``positions [..., T]``: ``[..., T, cache_dim]`` (see ``ParallelBackbone``)."""
         return self.backbone.context_cache(context_feats, positions)
 
-    def draft_from_cache(
-        self,
-        ctx_cache: Array,
-        ctx_len: Array,
-        anchor_tokens: Array,
-        rng: Array,
-        temperature=0.0,
-        top_k=0,
-        top_p=1.0,
-        embed=None,
-        lm_head=None,
-        context_tokens: Array | None = None,
-    ) -> DraftOutput:
-        """``draft`` with the context given as cached K/V rows ``[R, M, cache_dim]`` (rows
-        ``0..ctx_len-1`` written by ``context_cache`` at their positions). Same outputs as
-        ``draft`` on the features those rows came from, without re-projecting the whole
-        context every round."""
-        del context_tokens
-        cfg = self.config
-        r, m = ctx_cache.shape[:2]
-        _check(ctx_cache.ndim == 3, f"ctx_cache must be [R, M, C], got {ctx_cache.shape}")
-        check_draft_args(r, ctx_len, anchor_tokens, embed, lm_head)
-        ctx_mask = jnp.arange(m, dtype=jnp.int32)[None, :] < ctx_len[:, None]
-        block_pos = ctx_len[:, None].astype(jnp.int32) + jnp.arange(cfg.gamma, dtype=jnp.int32)
-        h = self.backbone.from_cache(
-            self._block_embeds(anchor_tokens, embed), block_pos, ctx_cache, ctx_mask
-        )
-        return self._sample_block(h, anchor_tokens, rng, temperature, top_k, top_p, lm_head)
-
-    def _sample_block(self, h, anchor_tokens, rng, temperature, top_k, top_p, lm_head):
+    def _sample_block(self, h, anchor_tokens, rng, sampling, lm_head):
         """LM head over the block's states, then the sequential head's left-to-right scan."""
         cfg, tgt = self.config, self.target
         r = h.shape[0]
@@ -338,8 +273,6 @@ class DSparkDrafter(nn.Module):
             (jnp.swapaxes(base, 0, 1), jnp.swapaxes(h, 0, 1)),
             rng,
             cfg.gamma,
-            temperature,
-            top_k,
-            top_p,
+            sampling,
         )
         return DraftOutput(toks, p_toks, probs, confs)

@@ -28,15 +28,15 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.models.backbone import DraftDecoderLayer, apply_lm_head, embed_tokens
-from dspark_jax.models.drafter_config import DrafterConfig
-from dspark_jax.models.dspark import (
+from dspark_jax.models.draft_api import (
+    DraftContext,
     DraftOutput,
-    _check,
-    check_draft_args,
-    draft_qwen3_config,
+    SamplingSettings,
+    check_draft_inputs,
 )
+from dspark_jax.models.drafter_config import DrafterConfig
+from dspark_jax.models.dspark import _check, draft_qwen3_config
 from dspark_jax.models.qwen3 import Projection, Qwen3Config, RMSNorm
-from dspark_jax.ops.sampling import process_logits, sample
 
 Array = jax.Array
 
@@ -174,33 +174,31 @@ class Eagle3Drafter(nn.Module):
 
     def draft(
         self,
-        context_feats: Array,
-        ctx_len: Array,
+        context: DraftContext,
         anchor_tokens: Array,
         rng: Array,
-        temperature=0.0,
-        top_k=0,
-        top_p=1.0,
-        embed=None,
-        lm_head=None,
-        context_tokens: Array | None = None,
+        sampling: SamplingSettings,
+        embed,
+        lm_head,
     ) -> DraftOutput:
         """Draft γ tokens autoregressively (``lax.scan`` over steps 1..γ-1).
 
-        ``context_feats [R, M, m·d]`` and ``context_tokens [R, M]`` hold the features and
-        tokens of committed positions ``0..ctx_len-1`` (``ctx_len >= 1``); the anchor is at
-        ``ctx_len``. Same sampling and RNG convention as DSpark (token k uses
-        ``split(rng, γ)[k]``). ``confidence_logits`` is ``None``.
+        ``context.rows [R, M, m·d]`` and ``context.tokens [R, M]`` hold the tap features and
+        tokens of committed positions ``0..length-1`` (``length >= 1``); the anchor is at
+        ``length``. ``confidence_logits`` is ``None``.
         """
         cfg, tgt = self.config, self.target
-        r, m = context_feats.shape[:2]
-        _check(context_tokens is not None, "EAGLE-3 draft needs context_tokens [R, M]")
-        _check(
-            context_tokens.shape == (r, m),
-            f"context_tokens must be {(r, m)}, got {context_tokens.shape}",
+        r, m = check_draft_inputs(
+            "EAGLE-3",
+            context,
+            anchor_tokens,
+            embed,
+            lm_head,
+            needs_tokens=True,
+            accepts_cached=False,
         )
-        check_draft_args(r, ctx_len, anchor_tokens, embed, lm_head)
-        ctx_len = ctx_len.astype(jnp.int32)
+        context_feats, context_tokens = context.rows, context.tokens
+        ctx_len = context.length.astype(jnp.int32)
         gamma = cfg.gamma
         keys = jax.random.split(rng, gamma)
 
@@ -219,11 +217,7 @@ class Eagle3Drafter(nn.Module):
         )
 
         def pick(hn_q, key):
-            probs = process_logits(
-                apply_lm_head(lm_head, hn_q[:, 0], tgt.vocab_size), temperature, top_k, top_p
-            )
-            tok = sample(key, probs)
-            return tok, jnp.take_along_axis(probs, tok[:, None], axis=-1)[:, 0], probs
+            return sampling.draw(key, apply_lm_head(lm_head, hn_q[:, 0], tgt.vocab_size))
 
         tok0, p0, probs0 = pick(hn, keys[0])
         if gamma == 1:

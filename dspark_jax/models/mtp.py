@@ -18,16 +18,16 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.models.backbone import DraftDecoderLayer, apply_lm_head, embed_tokens
-from dspark_jax.models.drafter_config import DrafterConfig
-from dspark_jax.models.dspark import (
+from dspark_jax.models.draft_api import (
+    DraftContext,
     DraftOutput,
-    _check,
-    check_draft_args,
-    draft_qwen3_config,
+    SamplingSettings,
+    check_draft_inputs,
 )
+from dspark_jax.models.drafter_config import DrafterConfig
+from dspark_jax.models.dspark import _check, draft_qwen3_config
 from dspark_jax.models.eagle3 import _gather_rows, causal_mask, next_tokens, shift_left
 from dspark_jax.models.qwen3 import Projection, Qwen3Config, RMSNorm
-from dspark_jax.ops.sampling import process_logits, sample
 
 Array = jax.Array
 
@@ -86,31 +86,24 @@ class MTPDrafter(nn.Module):
 
     def draft(
         self,
-        context_feats: Array,
-        ctx_len: Array,
+        context: DraftContext,
         anchor_tokens: Array,
         rng: Array,
-        temperature=0.0,
-        top_k=0,
-        top_p=1.0,
-        embed=None,
-        lm_head=None,
-        context_tokens: Array | None = None,
+        sampling: SamplingSettings,
+        embed,
+        lm_head,
     ) -> DraftOutput:
         """One draft token per slot: ``DraftOutput`` with ``tokens [R, 1]``, ``probs [R, 1, V]``.
 
-        ``context_feats [R, M, d]`` / ``context_tokens [R, M]``: final hidden states and
-        tokens of committed positions ``0..ctx_len-1`` (``ctx_len >= 1``); anchor at
-        ``ctx_len``. The token uses ``split(rng, 1)[0]`` (same convention as DSpark).
+        ``context.rows [R, M, d]`` / ``context.tokens [R, M]``: final hidden states and
+        tokens of committed positions ``0..length-1`` (``length >= 1``); anchor at
+        ``length``. The token uses ``split(rng, 1)[0]`` (same convention as DSpark).
         """
-        r, m = context_feats.shape[:2]
-        _check(context_tokens is not None, "MTP-1 draft needs context_tokens [R, M]")
-        _check(
-            context_tokens.shape == (r, m),
-            f"context_tokens must be {(r, m)}, got {context_tokens.shape}",
+        r, m = check_draft_inputs(
+            "MTP-1", context, anchor_tokens, embed, lm_head, needs_tokens=True, accepts_cached=False
         )
-        check_draft_args(r, ctx_len, anchor_tokens, embed, lm_head)
-        ctx_len = ctx_len.astype(jnp.int32)
+        context_feats, context_tokens = context.rows, context.tokens
+        ctx_len = context.length.astype(jnp.int32)
         states = self._states(
             context_feats, next_tokens(context_tokens, anchor_tokens, ctx_len), embed
         )
@@ -127,7 +120,5 @@ class MTPDrafter(nn.Module):
             "none",
         )
         logits = apply_lm_head(lm_head, self.norm(h), self.target.vocab_size)  # [R, 1, V]
-        probs = process_logits(logits[:, 0], temperature, top_k, top_p)
-        tok = sample(jax.random.split(rng, 1)[0], probs)
-        p_tok = jnp.take_along_axis(probs, tok[:, None], axis=-1)
-        return DraftOutput(tok[:, None], p_tok, probs[:, None], None)
+        tok, p_tok, probs = sampling.draw(jax.random.split(rng, 1)[0], logits[:, 0])
+        return DraftOutput(tok[:, None], p_tok[:, None], probs[:, None], None)

@@ -8,11 +8,14 @@ boolean indexing) so it runs inside the jitted decode step.
 
 from __future__ import annotations
 
+from typing import Any
+
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["process_logits", "sample"]
+__all__ = ["SamplingSettings", "process_logits", "sample"]
 
 
 def _leading_param(name: str, value, logits: jax.Array, dtype) -> jax.Array:
@@ -106,3 +109,24 @@ def sample(rng: jax.Array, probs: jax.Array) -> jax.Array:
     if probs.ndim < 1:
         raise ValueError(f"probs must have shape [..., V]; got {probs.shape}")
     return jax.random.categorical(rng, jnp.log(probs), axis=-1).astype(jnp.int32)
+
+
+@flax.struct.dataclass
+class SamplingSettings:
+    """The ``process_logits`` arguments travelling together: each a scalar or per-row
+    array (``[R]``); the defaults are greedy. A pytree, so it passes through ``jit``."""
+
+    temperature: Any = 0.0
+    top_k: Any = 0
+    top_p: Any = 1.0
+
+    def probs(self, logits: jax.Array) -> jax.Array:
+        """``process_logits(logits, temperature, top_k, top_p)``."""
+        return process_logits(logits, self.temperature, self.top_k, self.top_p)
+
+    def draw(self, rng: jax.Array, logits: jax.Array):
+        """One token per row of ``logits [R, V]``: ``(tokens [R], their probabilities [R],
+        the processed distribution [R, V])``."""
+        probs = self.probs(logits)
+        tok = sample(rng, probs)
+        return tok, jnp.take_along_axis(probs, tok[:, None], axis=-1)[:, 0], probs

@@ -1,0 +1,94 @@
+"""What every drafter's ``draft`` entry point takes and returns (DESIGN §5.2).
+
+All drafters share one signature::
+
+    module.apply({"params": p}, context: DraftContext, anchor_tokens [R], rng,
+                 sampling: SamplingSettings, embed, lm_head, method="draft") -> DraftOutput
+
+``DraftContext.rows`` is what the drafter kind reads of the target per committed position
+(``DrafterKind.context``): tap features ``[R, M, len(taps)·d]``, the final hidden state
+``[R, M, d]`` (MTP-1), or, with ``cached=True``, the per-layer K/V rows DSpark/DFlash
+project once per position (``context_cache``). EAGLE-3 and MTP-1 also read the committed
+tokens (``DraftContext.tokens``). Token k of a block is drawn with ``split(rng, G)[k]``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.struct
+import jax
+
+from dspark_jax.ops.sampling import SamplingSettings
+
+Array = jax.Array
+
+__all__ = ["DraftContext", "DraftOutput", "SamplingSettings", "check_draft_inputs"]
+
+
+@flax.struct.dataclass
+class DraftContext:
+    """The committed context of R slots.
+
+    rows: ``[R, M, F]``; rows ``>= length`` are ignored.
+    length: ``[R]`` valid rows = the anchor's position (``>= 1`` for EAGLE-3/MTP-1).
+    tokens: ``[R, M]`` committed tokens (EAGLE-3, MTP-1), else ``None``.
+    cached: ``rows`` are K/V rows from ``context_cache`` rather than target features.
+    """
+
+    rows: Array
+    length: Array
+    tokens: Array | None = None
+    cached: bool = flax.struct.field(pytree_node=False, default=False)
+
+
+class DraftOutput(NamedTuple):
+    """One round of drafts for R slots.
+
+    tokens: ``[R, G]`` int32 draft tokens (G = γ, or 1 for MTP-1).
+    token_probs: ``[R, G]`` draft probability of each sampled token.
+    probs: ``[R, G, V]`` processed draft distribution each token was sampled from (``p_d``
+      for rejection sampling; a point mass at temperature 0).
+    confidence_logits: ``[R, G]`` raw confidence logits ``z_k`` (apply STS temperatures,
+      then σ), or ``None`` without a confidence head.
+    """
+
+    tokens: Array
+    token_probs: Array
+    probs: Array
+    confidence_logits: Array | None
+
+    @property
+    def confidence(self) -> Array | None:
+        """``c_k = σ(z_k)`` (uncalibrated)."""
+        return None if self.confidence_logits is None else jax.nn.sigmoid(self.confidence_logits)
+
+
+def check_draft_inputs(
+    drafter: str,
+    context: DraftContext,
+    anchor_tokens: Array,
+    embed,
+    lm_head,
+    *,
+    needs_tokens: bool,
+    accepts_cached: bool,
+) -> tuple[int, int]:
+    """The checks every ``draft`` shares; returns ``(R, M)``. Errors name the drafter."""
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ValueError(f"{drafter} draft: {msg}")
+
+    need(isinstance(context, DraftContext), f"context must be a DraftContext, got {type(context)}")
+    need(context.rows.ndim == 3, f"context rows must be [R, M, F], got {context.rows.shape}")
+    r, m = context.rows.shape[:2]
+    need(accepts_cached or not context.cached, "has no context K/V cache (cached=True)")
+    need(context.length.shape == (r,), f"context length must be [{r}], got {context.length.shape}")
+    need(anchor_tokens.shape == (r,), f"anchor_tokens must be [{r}], got {anchor_tokens.shape}")
+    need(embed is not None and lm_head is not None, "needs embed and lm_head")
+    if needs_tokens:
+        tokens = context.tokens
+        need(tokens is not None, f"needs context_tokens [{r}, {m}] (DraftContext.tokens)")
+        need(tokens.shape == (r, m), f"context tokens must be {(r, m)}, got {tokens.shape}")
+    return r, m
