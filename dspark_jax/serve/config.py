@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from dspark_jax.decode.step import StepConfig
+
 __all__ = ["EngineConfig", "EngineStats"]
 
 
@@ -47,6 +49,19 @@ class EngineConfig:
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
 
+    def step_config(self, scheduler: str, eos_id: int) -> StepConfig:
+        """The decode step the engine runs: per-request temperatures (greedy rows exact,
+        as a one-hot), ``scheduler`` (``none`` without a drafter)."""
+        return StepConfig(
+            num_slots=self.num_slots,
+            max_len=self.max_len,
+            sampling=True,
+            scheduler=scheduler,
+            threshold=self.threshold,
+            fixed_length=self.fixed_length,
+            eos_id=eos_id,
+        )
+
 
 @dataclasses.dataclass
 class EngineStats:
@@ -70,6 +85,16 @@ class EngineStats:
     device_wait_seconds: float = 0.0
     host_seconds: float = 0.0
     idle_seconds: float = 0.0
+
+    def record_round(self, seconds: float, budget: int, taus: list[int]) -> None:
+        """One decode round: its wall time, verify budget and tokens emitted per slot."""
+        self.rounds += 1
+        self.budget_sum += budget
+        self.slot_rounds += len(taus)
+        self.emitted_tokens += sum(taus)
+        self.last_round_seconds = seconds
+        self.last_budget = budget
+        self.last_tau = sum(taus) / len(taus) if taus else 0.0
 
     @property
     def host_share(self) -> float:

@@ -39,7 +39,6 @@ import asyncio
 import collections
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Sequence
 
@@ -47,15 +46,16 @@ import jax
 import numpy as np
 
 from dspark_jax.decode.policy import RoundPolicy
-from dspark_jax.decode.step import (
-    FINISH_EOS,
-    FINISH_NONE,
-    SpeculativeDecoder,
-    StepConfig,
-)
+from dspark_jax.decode.step import FINISH_NONE, SpeculativeDecoder
 from dspark_jax.sched import sps as sps_lib
 from dspark_jax.serve.compilation import ServingShapes
 from dspark_jax.serve.config import EngineConfig, EngineStats
+from dspark_jax.serve.delivery import (
+    ActiveRequest,
+    deliver_final,
+    encode_prompt,
+    unstarted_result,
+)
 from dspark_jax.serve.handle import RequestHandle
 from dspark_jax.serve.loading import load_models
 from dspark_jax.serve.requests import (
@@ -67,30 +67,20 @@ from dspark_jax.serve.requests import (
     Result,
     SamplingParams,
 )
-from dspark_jax.serve.text import TextStream
+from dspark_jax.serve.service import Service
 from dspark_jax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
-class _Active:
-    """Host-side progress of a request that owns a slot."""
-
-    def __init__(self, handle: RequestHandle, tokenizer: Tokenizer, stop_ids):
-        self.handle = handle
-        self.stream = TextStream(tokenizer, stop_ids, handle.params.stop)
-        self.done = False
-        self.rounds = 0
-        self.accepted = 0  # emitted tokens summed over rounds (for τ)
-        self.verified = 0
-
-
 # ------------------------------------------------------------------------------------------
 # engine
 # ------------------------------------------------------------------------------------------
-class Engine:
+class Engine(Service):
     """Continuous-batching engine. ``start()`` warms up (compiles every bucket, profiles
     SPS when the scheduler needs it) and launches the loop thread; ``submit`` enqueues."""
+
+    thread_name = "dspark-engine"
 
     def __init__(
         self,
@@ -103,6 +93,7 @@ class Engine:
         sts=None,
         listener=None,
     ):
+        super().__init__()
         self.config = cfg = config or EngineConfig()
         self.tokenizer = tokenizer
         self.listener = listener  # optional: on_round(...), on_finish(result)
@@ -115,20 +106,12 @@ class Engine:
         if drafter is None and cfg.scheduler not in ("none", "fixed"):
             raise ValueError(f"scheduler {cfg.scheduler!r} needs a drafter; without one use 'none'")
         self.scheduler = scheduler
-        step_cfg = dict(
-            num_slots=cfg.num_slots,
-            max_len=cfg.max_len,
-            sampling=True,  # per-request temperatures incl. exact greedy rows (one-hot)
-            threshold=cfg.threshold,
-            fixed_length=cfg.fixed_length,
-            eos_id=tokenizer.eos_id,
-        )
         self.decoder = SpeculativeDecoder(
             target,
             target_params,
             drafter,
             drafter_params,
-            StepConfig(scheduler=scheduler, **step_cfg),
+            cfg.step_config(scheduler, tokenizer.eos_id),
             sts_temperatures=None if sts is None else sts.temperatures,
             sts_biases=None if sts is None else sts.biases,
         )
@@ -141,17 +124,10 @@ class Engine:
 
         self.stats = EngineStats()
         self._ids = itertools.count()
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
         self._waiting: collections.deque[RequestHandle] = collections.deque()
-        self._slots: list[_Active | None] = [None] * cfg.num_slots
+        self._slots: list[ActiveRequest | None] = [None] * cfg.num_slots
         self._inflight: collections.deque = collections.deque()
-        self._accepting = False
-        self._stop = False
-        self._thread: threading.Thread | None = None
-        self._warm_thread: threading.Thread | None = None
         self.warmup_status: dict | None = None  # last warm-up progress (phase, step, of)
-        self.failure: str | None = None
         self._last_ready = 0.0
         self._state = None
 
@@ -188,11 +164,21 @@ class Engine:
 
     def warmup(self) -> None:
         """Compile every prefill bucket and every verify bucket; profile SPS if needed."""
+        t0 = time.perf_counter()
         if self.scheduler in ("topk", "prefix"):
             self.sps_table = self.shapes.profile_sps(self._progress)
         self.shapes.warmup(self._progress)
         # The serving state starts clean (no slot active).
         self._state = self.decoder.init_state(self.config.seed)
+        log.info(
+            "engine warm: prompt buckets %s, verify buckets %s, %.1fs",
+            self.prompt_buckets,
+            self.verify_buckets,
+            time.perf_counter() - t0,
+        )
+
+    def _warm(self) -> None:  # the Service hook
+        self.warmup()
 
     def profile_prefill(self, repeats: int = 3) -> dict[tuple[int, int], float]:
         """Median seconds of one prefill call per compiled ``(rows, prompt bucket)`` (for
@@ -202,113 +188,15 @@ class Engine:
             raise RuntimeError("profile_prefill needs a stopped engine (shutdown() first)")
         return self.shapes.profile_prefill(repeats)
 
-    # -- lifecycle -----------------------------------------------------------------------
-    def start(self, background: bool = False) -> Engine:
-        """Warm up, then run the loop thread. ``background``: return at once and warm up
-        in a thread (``starting`` is True meanwhile; ``submit`` raises ``EngineClosed``;
-        a warm-up error sets ``failure``) so a server can answer /health while compiling."""
-        if self._thread is not None or self._warm_thread is not None:
-            raise RuntimeError("engine already started")
-        if not background:
-            self._warm_then_run()
-            return self
-        self._warm_thread = threading.Thread(
-            target=self._warm_in_background, name="dspark-warmup", daemon=True
-        )
-        self._warm_thread.start()
-        return self
-
-    def _warm_then_run(self) -> None:
-        t0 = time.perf_counter()
-        self.warmup()
-        log.info(
-            "engine warm: %d prompt buckets %s, verify buckets %s, %.1fs",
-            len(self.prompt_buckets),
-            self.prompt_buckets,
-            self.verify_buckets,
-            time.perf_counter() - t0,
-        )
-        with self._lock:
-            if self._stop:  # shut down while warming up: never start serving
-                return
-            self._accepting = True
-            self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
-            self._thread.start()
-
-    def _warm_in_background(self) -> None:
-        try:
-            self._warm_then_run()
-        except Exception as e:
-            log.exception("engine warm-up failed")
-            self.failure = f"warm-up failed: {type(e).__name__}: {e}"
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until a background warm-up has ended; True if the engine is serving."""
-        if self._warm_thread is not None:
-            self._warm_thread.join(timeout)
-        return self.running
-
-    @property
-    def starting(self) -> bool:
-        """Warming up in the background (compiling buckets, profiling SPS)."""
-        return (
-            self._warm_thread is not None
-            and self._warm_thread.is_alive()
-            and self._thread is None
-            and self.failure is None
-        )
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.failure is None
-
-    @property
-    def accepting(self) -> bool:
-        return self._accepting and self.running
-
-    def begin_drain(self) -> None:
-        """Stop accepting new requests; in-flight and queued ones still complete."""
-        with self._lock:
-            self._accepting = False
-            self._wake.notify_all()
-
-    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stop the engine. ``drain``: finish every accepted request first; otherwise
-        they end with finish reason ``abort``."""
-        with self._lock:
-            self._accepting = False
-            if not drain:
-                self._abort_all = True
-            self._stop = True
-            self._wake.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    _abort_all = False
-
     # -- submission ----------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence) and all(
-            isinstance(x, int | np.integer) and not isinstance(x, bool) for x in prompt
-        ):
-            ids = [int(x) for x in prompt]
-            vocab = self.decoder.target.config.vocab_size
-            if any(not 0 <= x < vocab for x in ids):
-                raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
-        else:
-            raise InvalidRequest("prompt must be a string or a list of token ids", "prompt")
-        if not ids:
-            raise InvalidRequest("prompt is empty (it encodes to no tokens)", "prompt")
-        if len(ids) > self.max_prompt_tokens:
-            raise InvalidRequest(
-                f"prompt has {len(ids)} tokens but this server's cache holds "
-                f"{self.config.max_len} positions per request, so prompts may have at most "
-                f"{self.max_prompt_tokens} tokens",
-                "prompt",
-            )
-        return ids
+        return encode_prompt(
+            self.tokenizer,
+            prompt,
+            self.decoder.target.config.vocab_size,
+            self.max_prompt_tokens,
+            self.config.max_len,
+        )
 
     def submit(
         self,
@@ -369,15 +257,6 @@ class Engine:
         return True
 
     # -- loop ----------------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except Exception as e:  # a device/runtime failure: fail every request, loudly
-            log.exception("engine loop failed")
-            self.failure = f"engine failure: {type(e).__name__}: {e}"
-            self._accepting = False
-            self._fail_everything("error", self.failure)
-
     def _fail_everything(self, reason: str, message: str | None = None) -> None:
         with self._lock:
             waiting = list(self._waiting)
@@ -391,10 +270,9 @@ class Engine:
         self._inflight.clear()
 
     def _finish_unstarted(self, h: RequestHandle, reason: str, message=None) -> None:
-        res = Result(h.id, "", [], reason, len(h.prompt_ids), 0, 0, 0.0, 0.0, message)
+        res = unstarted_result(h, reason, message)
         self._record_finish(res)
-        h.done.set()
-        h._deliver(res)
+        deliver_final(h, res)
 
     def _loop(self) -> None:
         while True:
@@ -450,7 +328,7 @@ class Engine:
             self._state, pre = self.shapes.prefill_many(self._state, rows)
             owners: list = [None] * len(self._slots)  # slot -> (request, batch row)
             for i, (slot, h) in enumerate(chunk):
-                a = _Active(h, self.tokenizer, set(self.tokenizer.stop_ids))
+                a = ActiveRequest(h, self.tokenizer)
                 self._slots[slot] = a
                 owners[slot] = (a, i)
                 self.stats.prompt_tokens += len(h.prompt_ids)
@@ -510,31 +388,17 @@ class Engine:
             n = int(out.num_emitted[s])
             if n == 0 and int(out.finish[s]) == FINISH_NONE:
                 continue
-            a.rounds += 1
-            a.accepted += n
-            a.verified += int(out.verified[s])
+            a.count_round(n, int(out.verified[s]))
             taus.append(n)
             self._accept_tokens(s, a, [int(x) for x in out.tokens[s, :n]], int(out.finish[s]))
-        st = self.stats
-        st.rounds += 1
-        st.budget_sum += budget
-        st.slot_rounds += len(taus)
-        st.emitted_tokens += sum(taus)
-        st.last_round_seconds = seconds
-        st.last_budget = budget
-        st.last_tau = float(np.mean(taus)) if taus else 0.0
+        self.stats.record_round(seconds, budget, taus)
         if self.listener is not None:
             self.listener.on_round(seconds, budget, taus, int(np.sum(out.verified)))
 
     # -- per-request host work -----------------------------------------------------------
-    def _accept_tokens(self, slot: int, a: _Active, tokens: list[int], code: int) -> None:
-        """Append emitted tokens, detokenise, apply stop ids / stop strings, stream."""
-        device_reason = None
-        if code != FINISH_NONE:
-            device_reason = "stop" if code == FINISH_EOS else "length"
-        new_ids, piece, reason, _ = a.stream.add(tokens, device_reason)
-        if new_ids:
-            a.handle._deliver(Delta(piece, new_ids))
+    def _accept_tokens(self, slot: int, a: ActiveRequest, tokens: list[int], code: int) -> None:
+        """Stream emitted tokens; free the slot if the request ends with them."""
+        reason = a.emit(tokens, code)
         if reason is None:
             return
         if code == FINISH_NONE:
@@ -543,33 +407,18 @@ class Engine:
             self._slots[slot] = None  # the device already deactivated the slot
             self._finish(a, reason)
 
-    def _end_on_host(self, slot: int, a: _Active, reason: str) -> None:
+    def _end_on_host(self, slot: int, a: ActiveRequest, reason: str) -> None:
         """A request ended by the host (stop string, cancellation): free its slot now."""
         self._state = self.decoder.release(self._state, slot)
         self._slots[slot] = None
         self._finish(a, reason)
 
-    def _finish(self, a: _Active, reason: str, error: str | None = None) -> None:
+    def _finish(self, a: ActiveRequest, reason: str, error: str | None = None) -> None:
         if a.done:
             return
-        a.done = True
-        if reason in ("cancelled", "abort", "error"):
-            a.stream.drop_unsent()
-        res = Result(
-            request_id=a.handle.id,
-            text=a.stream.text,
-            token_ids=list(a.stream.token_ids),
-            finish_reason=reason,
-            prompt_tokens=len(a.handle.prompt_ids),
-            completion_tokens=len(a.stream.token_ids),
-            rounds=a.rounds,
-            mean_accepted_length=a.accepted / max(a.rounds, 1),
-            mean_verified=a.verified / max(a.rounds, 1),
-            error=error,
-        )
+        res = a.result(reason, error)
         self._record_finish(res)
-        a.handle.done.set()
-        a.handle._deliver(res)
+        deliver_final(a.handle, res)
 
     def _record_finish(self, res: Result) -> None:
         self.stats.requests_finished[res.finish_reason] += 1
