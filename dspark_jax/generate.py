@@ -122,28 +122,18 @@ def run(args: argparse.Namespace) -> dict:
     """Generate for every prompt and write ``args.out``; returns the summary dict."""
     import flax.linen as nn
 
-    from dspark_jax.convert import load_hf
+    from dspark_jax.convert.loading import load_drafter_dir, load_target
     from dspark_jax.decode.runner import Request, Runner
     from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
-    from dspark_jax.models.drafter_io import load_drafter
-    from dspark_jax.models.qwen3 import Qwen3
     from dspark_jax.sched import sps as sps_lib
-    from dspark_jax.tokenizer import Tokenizer
 
     _check_args(args)
-    tcfg, tparams = load_hf(args.target)
-    tok = Tokenizer(args.target)
-    if tok.vocab_size > tcfg.vocab_size:
-        raise ValueError(
-            f"tokenizer in {args.target} has {tok.vocab_size} ids but the target's vocab_size "
-            f"is {tcfg.vocab_size}"
-        )
-    target = Qwen3(tcfg)
-    tparams = jax.device_put(tparams)
-    drafter = dparams = None
+    loaded = load_target(args.target)
+    tcfg, tparams, tok, target = loaded.config, loaded.params, loaded.tokenizer, loaded.module
+    drafter = dparams = sts = None
     if args.drafter is not None:
-        drafter, dparams = load_drafter(args.drafter, tcfg)
-        dparams = jax.device_put(nn.unbox(dparams))
+        d = load_drafter_dir(args.drafter, tcfg)
+        drafter, dparams, sts = d.module, jax.device_put(nn.unbox(d.params)), d.sts
     scheduler = args.scheduler or ("fixed" if drafter is not None else "none")
     if drafter is None and scheduler != "none":
         raise ValueError(f"--scheduler {scheduler} needs --drafter (without one use 'none')")
@@ -175,7 +165,16 @@ def run(args: argparse.Namespace) -> dict:
         fixed_length=args.gamma,
         eos_id=tok.eos_id,
     )
-    decoder = SpeculativeDecoder(target, tparams, drafter, dparams, config)
+    # The drafter's sts.json calibrates its confidences, as in serving (threshold/prefix/topk).
+    decoder = SpeculativeDecoder(
+        target,
+        tparams,
+        drafter,
+        dparams,
+        config,
+        sts_temperatures=None if sts is None else sts.temperatures,
+        sts_biases=None if sts is None else sts.biases,
+    )
     runner = Runner(decoder, seed=args.seed)
     if scheduler in ("prefix", "topk"):
         cache_path = args.sps_cache or sps_lib.default_cache_path()

@@ -49,6 +49,7 @@ from dspark_jax.convert.hf_qwen3 import (
     _np_dtype,
     _unbox_tree,
     _weight_files,
+    decoder_layer_tensors,
     read_hf_config,
 )
 from dspark_jax.models.drafter_config import DrafterConfig
@@ -279,8 +280,7 @@ def _t(w):
 
 def _entries(cfg: DrafterConfig, tgt: Qwen3Config) -> list[_Entry]:
     """The full mapping for a resolved dspark/dflash ``cfg`` (frozen copies excluded)."""
-    d, f, v, hd = tgt.hidden_size, tgt.intermediate_size, tgt.vocab_size, tgt.head_dim
-    nh, nkv, m = tgt.num_attention_heads, tgt.num_key_value_heads, len(cfg.taps)
+    d, v, m = tgt.hidden_size, tgt.vocab_size, len(cfg.taps)
     bb = ("backbone",)
     out = [
         _Entry("fc.weight", bb + ("fc", "kernel"), (d, m * d), _t, _t),
@@ -288,42 +288,17 @@ def _entries(cfg: DrafterConfig, tgt: Qwen3Config) -> list[_Entry]:
         _Entry("norm.weight", bb + ("norm", "scale"), (d,), _same, _same),
     ]
 
-    def in_proj(heads):
-        return (
-            lambda w: w.T.reshape(d, heads, hd),
-            lambda k: k.reshape(d, heads * hd).T,
-        )
-
+    layer_cfg = tgt.replace(num_hidden_layers=cfg.resolved_num_layers)
     for i in range(cfg.resolved_num_layers):
-        pre, ours = f"layers.{i}.", bb + (f"layers_{i}",)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out.append(_Entry(f"{pre}{norm}.weight", ours + (norm, "scale"), (d,), _same, _same))
-        att = ours + ("self_attn",)
-        for norm in ("q_norm", "k_norm"):
-            out.append(
-                _Entry(f"{pre}self_attn.{norm}.weight", att + (norm, "scale"), (hd,), _same, _same)
-            )
-        for proj, heads in (("q_proj", nh), ("k_proj", nkv), ("v_proj", nkv)):
+        for lt in decoder_layer_tensors(layer_cfg):
             out.append(
                 _Entry(
-                    f"{pre}self_attn.{proj}.weight",
-                    att + (proj, "kernel"),
-                    (heads * hd, d),
-                    *in_proj(heads),
+                    f"layers.{i}.{lt.hf_suffix}",
+                    bb + (f"layers_{i}",) + lt.path,
+                    lt.hf_shape,
+                    lt.to_ours,
+                    lt.to_hf,
                 )
-            )
-        out.append(
-            _Entry(
-                f"{pre}self_attn.o_proj.weight",
-                att + ("o_proj", "kernel"),
-                (d, nh * hd),
-                lambda w: w.T.reshape(nh, hd, d),
-                lambda k: k.reshape(nh * hd, d).T,
-            )
-        )
-        for proj, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f))):
-            out.append(
-                _Entry(f"{pre}mlp.{proj}.weight", ours + ("mlp", proj, "kernel"), shape, _t, _t)
             )
 
     head, r = cfg.resolved_head, cfg.head_rank

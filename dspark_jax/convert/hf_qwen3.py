@@ -17,6 +17,7 @@ so loading a checkpoint never needs an accelerator and sharding is left to the c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -89,36 +90,60 @@ def _transpose(w, cfg):
     return w.T
 
 
-def _in_proj(heads_attr: str):
-    """HF ``[heads*head_dim, d]`` <-> ours ``[d, heads, head_dim]`` (q/k/v projections)."""
+@dataclasses.dataclass(frozen=True)
+class LayerTensor:
+    """One tensor of a Qwen3 decoder layer in both layouts. The one table of the layer's
+    tensors: the HF target converter stacks it over ``model.layers.{i}.``, the DeepSpec
+    drafter converter uses it for ``layers.{i}.``."""
 
-    def to_ours(w, cfg):
-        return w.T.reshape(cfg.hidden_size, getattr(cfg, heads_attr), cfg.head_dim)
-
-    def to_hf(k, cfg):
-        return k.reshape(cfg.hidden_size, -1).T
-
-    def shape(cfg):
-        return (getattr(cfg, heads_attr) * cfg.head_dim, cfg.hidden_size)
-
-    return shape, to_ours, to_hf
+    hf_suffix: str  # after the layer's prefix, e.g. "self_attn.q_proj.weight"
+    path: tuple[str, ...]  # under the layer's module in our tree
+    hf_shape: tuple[int, ...]  # torch layout
+    to_ours: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
 
 
-def _o_to_ours(w, cfg):
-    # HF [d, heads*head_dim] -> ours [heads, head_dim, d]
-    return w.T.reshape(cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size)
-
-
-def _o_to_hf(k, cfg):
-    return k.reshape(-1, cfg.hidden_size).T
+def decoder_layer_tensors(cfg: Qwen3Config) -> list[LayerTensor]:
+    """The tensors of one decoder layer of width/heads ``cfg`` (the layout changes are in
+    the module docstring: input-major kernels, a separate head axis, ``scale`` norms)."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    same, t = (lambda w: w), (lambda w: w.T)
+    out = [
+        # HF [heads*head_dim, d] <-> ours [d, heads, head_dim]
+        LayerTensor(
+            f"self_attn.{proj}.weight",
+            ("self_attn", proj, "kernel"),
+            (heads * hd, d),
+            lambda w, h=heads: w.T.reshape(d, h, hd),
+            lambda k: k.reshape(d, -1).T,
+        )
+        for proj, heads in (("q_proj", nh), ("k_proj", nkv), ("v_proj", nkv))
+    ]
+    # HF [d, heads*head_dim] <-> ours [heads, head_dim, d]
+    out.append(
+        LayerTensor(
+            "self_attn.o_proj.weight",
+            ("self_attn", "o_proj", "kernel"),
+            (d, nh * hd),
+            lambda w: w.T.reshape(nh, hd, d),
+            lambda k: k.reshape(-1, d).T,
+        )
+    )
+    for norm in ("q_norm", "k_norm"):
+        out.append(
+            LayerTensor(f"self_attn.{norm}.weight", ("self_attn", norm, "scale"), (hd,), same, same)
+        )
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        out.append(LayerTensor(f"{norm}.weight", (norm, "scale"), (d,), same, same))
+    for proj, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f))):
+        out.append(LayerTensor(f"mlp.{proj}.weight", ("mlp", proj, "kernel"), shape, t, t))
+    return out
 
 
 def _mappings(cfg: Qwen3Config) -> list[_Mapping]:
-    d, f, v, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    layer = "model.layers.{i}."
+    d, v = cfg.hidden_size, cfg.vocab_size
     stack = ("layers", "layer")
-    q_shape, q_ours, q_hf = _in_proj("num_attention_heads")
-    kv_shape, kv_ours, kv_hf = _in_proj("num_key_value_heads")
     out = [
         _Mapping(
             "model.embed_tokens.weight",
@@ -132,52 +157,14 @@ def _mappings(cfg: Qwen3Config) -> list[_Mapping]:
             "model.norm.weight", ("norm", "scale"), lambda c: (d,), _identity, _identity, False
         ),
     ]
-    for proj, shape, to_ours, to_hf in (
-        ("q_proj", q_shape, q_ours, q_hf),
-        ("k_proj", kv_shape, kv_ours, kv_hf),
-        ("v_proj", kv_shape, kv_ours, kv_hf),
-        ("o_proj", lambda c: (d, cfg.num_attention_heads * hd), _o_to_ours, _o_to_hf),
-    ):
+    for lt in decoder_layer_tensors(cfg):
         out.append(
             _Mapping(
-                f"{layer}self_attn.{proj}.weight",
-                stack + ("self_attn", proj, "kernel"),
-                shape,
-                to_ours,
-                to_hf,
-                True,
-            )
-        )
-    for norm in ("q_norm", "k_norm"):
-        out.append(
-            _Mapping(
-                f"{layer}self_attn.{norm}.weight",
-                stack + ("self_attn", norm, "scale"),
-                lambda c: (hd,),
-                _identity,
-                _identity,
-                True,
-            )
-        )
-    for norm in ("input_layernorm", "post_attention_layernorm"):
-        out.append(
-            _Mapping(
-                f"{layer}{norm}.weight",
-                stack + (norm, "scale"),
-                lambda c: (d,),
-                _identity,
-                _identity,
-                True,
-            )
-        )
-    for proj, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f))):
-        out.append(
-            _Mapping(
-                f"{layer}mlp.{proj}.weight",
-                stack + ("mlp", proj, "kernel"),
-                lambda c, s=shape: s,
-                _transpose,
-                _transpose,
+                "model.layers.{i}." + lt.hf_suffix,
+                stack + lt.path,
+                lambda c, s=lt.hf_shape: s,
+                lambda w, c, f=lt.to_ours: f(w),
+                lambda k, c, f=lt.to_hf: f(k),
                 True,
             )
         )

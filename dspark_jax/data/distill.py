@@ -61,6 +61,7 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
+from dspark_jax.convert.loading import load_target
 from dspark_jax.data.corpus import (
     HELDOUT,
     SPLITS,
@@ -71,7 +72,8 @@ from dspark_jax.data.corpus import (
     open_split,
     read_metadata,
 )
-from dspark_jax.tokenizer import TOKENIZER_FILENAME, Tokenizer
+from dspark_jax.data.pipeline import read_batches
+from dspark_jax.tokenizer import Tokenizer
 
 DEFAULT_PROMPT_LEN = 128
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -502,22 +504,6 @@ def distill(
     return summary
 
 
-def load_target(target_dir: str | os.PathLike):
-    """``(Qwen3 model, params, Tokenizer)`` from a HF-style dir, with clear errors."""
-    d = Path(target_dir)
-    if not d.is_dir():
-        raise FileNotFoundError(f"target directory {d} does not exist")
-    for name in ("config.json", TOKENIZER_FILENAME):
-        if not (d / name).is_file():
-            raise FileNotFoundError(f"target directory {d} has no {name}")
-    tokenizer = Tokenizer(d)
-    from dspark_jax.convert import load_hf
-    from dspark_jax.models.qwen3 import Qwen3
-
-    cfg, params = load_hf(d)
-    return Qwen3(cfg), params, tokenizer
-
-
 # ----------------------------------------------------------------------------------------
 # Reader for drafter training
 # ----------------------------------------------------------------------------------------
@@ -530,18 +516,6 @@ def _to_row(rec: dict, *, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
     tokens[:n] = toks
     loss_mask[:n] = mask
     return {"tokens": tokens, "loss_mask": loss_mask, "length": np.int32(n)}
-
-
-def _pad_rows(batch: dict[str, np.ndarray], *, batch_size: int, pad_id: int) -> dict:
-    rows = batch["tokens"].shape[0]
-    if rows == batch_size:
-        return batch
-    out = {}
-    for k, v in batch.items():
-        fill = pad_id if k == "tokens" else 0
-        extra = np.full((batch_size - rows, *v.shape[1:]), fill, v.dtype)
-        out[k] = np.concatenate([v, extra], axis=0)
-    return out
 
 
 def make_distill_dataset(
@@ -561,10 +535,6 @@ def make_distill_dataset(
     """The batched ``IterDataset`` behind :func:`make_distill_batches`."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if num_epochs is not None and num_epochs < 1:
-        raise ValueError(f"num_epochs must be None (forever) or >= 1, got {num_epochs}")
     if not 0 <= shard_index < shard_count:
         raise ValueError(f"need 0 <= shard_index < shard_count, got {shard_index}/{shard_count}")
     ds_dir = find_dataset_dir(data_dir, DistillDataset.name)
@@ -573,14 +543,14 @@ def make_distill_dataset(
         if pad_id is None:
             raise ValueError(f"{ds_dir}/metadata.json records no pad_id; pass pad_id=")
     ds = open_split(ds_dir, split, seed, shuffle, shard_index, shard_count)
-    if num_epochs != 1:
-        ds = ds.repeat(num_epochs)  # grain reshuffles each epoch
-    ds = ds.map(functools.partial(_to_row, seq_len=seq_len, pad_id=int(pad_id)))
-    it = ds.to_iter_dataset(
-        grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=2 * batch_size)
+    return read_batches(
+        ds,
+        functools.partial(_to_row, seq_len=seq_len, pad_id=int(pad_id)),
+        batch_size,
+        num_epochs,
+        pad_id=int(pad_id),
+        num_threads=num_threads,
     )
-    batched = it.batch(batch_size, drop_remainder=False)
-    return batched.map(functools.partial(_pad_rows, batch_size=batch_size, pad_id=int(pad_id)))
 
 
 def make_distill_batches(
@@ -651,7 +621,8 @@ def main(argv=None) -> int:
 
     def cli():
         settings.validate()
-        model, params, tokenizer = load_target(args.target)
+        target = load_target(args.target)
+        model, params, tokenizer = target.module, target.params, target.tokenizer
         # TFDS prints to stdout; keep stdout for the JSON summary.
         with contextlib.redirect_stdout(sys.stderr):
             summary = distill(

@@ -146,6 +146,7 @@ def _check_common(args):
 
 
 def cmd_acceptance(args) -> int:
+    from dspark_jax.convert.loading import load_drafter_dir, load_target
     from dspark_jax.eval import acceptance as acc
 
     _check_common(args)
@@ -153,13 +154,11 @@ def cmd_acceptance(args) -> int:
         if not math.isfinite(t) or t < 0:
             raise ValueError(f"--temperature must be finite and >= 0, got {t}")
     sets = _load_sets(args)
-    target = acc.load_target(args.target)
+    target = load_target(args.target)
     labels = [Path(d).name or d for d in args.drafter]
     if len(set(labels)) != len(labels):  # same directory name in different places
         labels = [f"{i}:{lab}" for i, lab in enumerate(labels)]
-    drafters = [
-        acc.load_drafter_spec(d, target.config, lab) for d, lab in zip(args.drafter, labels)
-    ]
+    drafters = [load_drafter_dir(d, target.config, lab) for d, lab in zip(args.drafter, labels)]
     entries, arrays = acc.evaluate(
         target,
         drafters,
@@ -182,6 +181,7 @@ def cmd_acceptance(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
+    from dspark_jax.convert.loading import load_drafter_dir, load_target
     from dspark_jax.eval import acceptance as acc
     from dspark_jax.eval import calibration as cal
     from dspark_jax.eval.prompts import split_prompts
@@ -204,8 +204,8 @@ def cmd_calibrate(args) -> int:
         f, h = split_prompts(ps, args.split_fraction)
         fit_prompts += f
         held_prompts += h
-    target = acc.load_target(args.target)
-    spec = acc.load_drafter_spec(args.drafter, target.config)
+    target = load_target(args.target)
+    spec = load_drafter_dir(args.drafter, target.config)
     if not spec.has_confidence:
         raise ValueError(
             f"drafter {args.drafter} ({spec.config.kind}) has no confidence head; STS "

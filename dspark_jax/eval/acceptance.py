@@ -9,8 +9,8 @@ decode round (continuous batching via :class:`dspark_jax.decode.runner.Runner`).
 
 Programmatic use::
 
-    target = load_target("models/pycode-small")
-    drafter = load_drafter_spec("models/pycode-small-dspark", target.config)
+    target = load_target("models/pycode-small")  # dspark_jax.convert.loading
+    drafter = load_drafter_dir("models/pycode-small-dspark", target.config)
     prompts = {"humaneval": load_prompts("humaneval.jsonl", limit=50)}
     results, rounds = evaluate(target, [drafter], prompts, temperatures=(0.0,), gamma=7)
 """
@@ -30,73 +30,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from dspark_jax.convert.loading import LoadedDrafter, LoadedTarget
 from dspark_jax.decode.runner import Request, Runner
 from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
 from dspark_jax.eval import calibration as cal
 from dspark_jax.eval import metrics
 from dspark_jax.eval.prompts import Prompt
-from dspark_jax.models.drafter_io import load_drafter
-from dspark_jax.models.qwen3 import Qwen3, Qwen3Config
 from dspark_jax.tokenizer import Tokenizer
-
-# -- loading ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class TargetBundle:
-    module: Qwen3
-    params: Any
-    config: Qwen3Config
-    tokenizer: Tokenizer
-    path: str
-
-
-@dataclasses.dataclass
-class DrafterSpec:
-    label: str
-    module: Any
-    params: Any
-    path: str | None = None
-    sts: cal.STS | None = None  # from sts.json, applied offline
-
-    @property
-    def config(self):
-        return self.module.config
-
-    @property
-    def draft_len(self) -> int:
-        return self.module.config.draft_len
-
-    @property
-    def has_confidence(self) -> bool:
-        cfg = self.module.config
-        return bool(cfg.has_confidence)
-
-
-def load_target(target_dir: str | os.PathLike, dtype=None) -> TargetBundle:
-    """A Hugging Face Qwen3 directory (config, safetensors, tokenizer.json)."""
-    from dspark_jax.convert import load_hf
-
-    path = os.fspath(target_dir)
-    config, params = load_hf(path, dtype=dtype)
-    tok = Tokenizer(path)
-    params = jax.tree.map(jax.numpy.asarray, params)
-    return TargetBundle(Qwen3(config), params, config, tok, path)
-
-
-def load_drafter_spec(
-    drafter_dir: str | os.PathLike, target_config: Qwen3Config, label: str | None = None
-) -> DrafterSpec:
-    """A saved drafter plus its ``sts.json`` calibration (if present)."""
-    path = os.fspath(drafter_dir)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"drafter directory {path} does not exist")
-    module, params = load_drafter(path, target_config)
-    spec = DrafterSpec(label or Path(path).name, module, params, path)
-    if spec.has_confidence:
-        spec.sts = cal.load_sts(path, spec.draft_len)
-    return spec
-
 
 # -- one decode run ---------------------------------------------------------------------
 
@@ -147,7 +87,7 @@ def encode_prompts(
     return out
 
 
-def effective_gamma(drafter: DrafterSpec, gamma: int | None) -> int:
+def effective_gamma(drafter: LoadedDrafter, gamma: int | None) -> int:
     """Drafts verified per round: ``gamma`` capped at the drafter's draft length."""
     if gamma is None:
         return drafter.draft_len
@@ -157,8 +97,8 @@ def effective_gamma(drafter: DrafterSpec, gamma: int | None) -> int:
 
 
 def make_decoder(
-    target: TargetBundle,
-    drafter: DrafterSpec,
+    target: LoadedTarget,
+    drafter: LoadedDrafter,
     *,
     gamma: int,
     temperature: float,
@@ -289,8 +229,8 @@ def summarize(records: RoundRecords, sts: cal.STS | None = None) -> dict[str, An
 
 
 def evaluate(
-    target: TargetBundle,
-    drafters: Sequence[DrafterSpec],
+    target: LoadedTarget,
+    drafters: Sequence[LoadedDrafter],
     prompt_sets: dict[str, Sequence[Prompt]],
     *,
     temperatures: Sequence[float] = (0.0,),
@@ -384,7 +324,7 @@ def _add_ratios(entries: list[dict[str, Any]]) -> None:
         }
 
 
-def run_metadata(target: TargetBundle, drafters: Sequence[DrafterSpec], args: dict) -> dict:
+def run_metadata(target: LoadedTarget, drafters: Sequence[LoadedDrafter], args: dict) -> dict:
     """The run's configuration: arguments, model paths/configs, versions, device."""
     dev = jax.devices()[0]
     return {
@@ -429,16 +369,12 @@ def write_results(
 
 
 __all__ = [
-    "DrafterSpec",
     "RoundRecords",
-    "TargetBundle",
     "calibration_summary",
     "collect_rounds",
     "effective_gamma",
     "encode_prompts",
     "evaluate",
-    "load_drafter_spec",
-    "load_target",
     "make_decoder",
     "run_metadata",
     "summarize",

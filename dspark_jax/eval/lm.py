@@ -15,10 +15,8 @@ import sys
 import jax
 import numpy as np
 
-from dspark_jax.convert import load_hf
+from dspark_jax.convert.loading import load_target
 from dspark_jax.data import make_packed_batches
-from dspark_jax.models.qwen3 import Qwen3
-from dspark_jax.tokenizer import Tokenizer
 from dspark_jax.train.lm_task import lm_loss_sums, next_token_targets
 
 
@@ -31,9 +29,8 @@ def heldout_loss(
     split: str = "heldout",
 ) -> dict:
     """Mean next-token cross-entropy (nats) over the first held-out batches, in order."""
-    config, params = load_hf(target_dir, dtype="float32")
-    tokenizer = Tokenizer(target_dir)
-    model = Qwen3(config)
+    target = load_target(target_dir, dtype="float32")
+    model, params, tokenizer = target.module, target.params, target.tokenizer
     batches = make_packed_batches(
         data_dir, split, tokenizer, seq_len, batch_size, seed=0, shuffle=False, num_epochs=1
     )

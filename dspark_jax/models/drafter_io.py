@@ -8,13 +8,21 @@ Layout of ``<dir>``:
   is an error that names both values.
 * ``model.safetensors``: the flattened (unboxed) parameter tree, keys joined with ``/``
   (e.g. ``backbone/layer/attn/q_proj/kernel``), float32 or bfloat16.
+* ``sts.json`` (optional): the confidence head's calibration (``eval.calibration`` fits
+  it; ``load_sts`` reads it for the decoder and the engine), ``sts_data.npz`` beside it the
+  labels it was fitted on.
+
+Every reader and writer of a drafter directory goes through this module.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -24,12 +32,23 @@ from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.drafters import init_drafter_params, make_drafter
 from dspark_jax.models.qwen3 import Qwen3Config
 
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "save_drafter", "load_drafter"]
+__all__ = [
+    "CONFIG_NAME",
+    "STS",
+    "STS_FILENAME",
+    "WEIGHTS_NAME",
+    "load_drafter",
+    "load_sts",
+    "save_drafter",
+    "save_sts",
+    "sts_path",
+]
 
 CONFIG_NAME = "drafter_config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 1
 _FINGERPRINT = ("vocab_size", "hidden_size", "num_hidden_layers")
+STS_FILENAME = "sts.json"
 
 
 def _flatten(tree: Mapping, prefix: str = "") -> dict[str, np.ndarray]:
@@ -165,3 +184,152 @@ def load_drafter(path: str | os.PathLike, target_config: Qwen3Config):
             )
         params[name] = np.asarray(arr, np.float32).astype(spec.dtype)
     return module, _unflatten(params)
+
+
+# -- sts.json: the confidence head's calibration -------------------------------------
+class STS(NamedTuple):
+    """Fitted calibration of a drafter's confidence head, applied as ``σ(z / T + b)``."""
+
+    temperatures: np.ndarray  # [γ], > 0
+    biases: np.ndarray  # [γ]; all zero for DESIGN's temperature-only STS
+
+    def first(self, n: int) -> STS:
+        """The calibration of the first ``n`` positions (a run drafting fewer than γ)."""
+        return STS(np.asarray(self.temperatures)[:n], np.asarray(self.biases)[:n])
+
+
+def check_temperatures(temperatures, gamma: int) -> np.ndarray:
+    t = np.asarray(temperatures, np.float64).reshape(-1)
+    if t.shape != (gamma,):
+        raise ValueError(f"need {gamma} temperatures (one per position), got {t.shape[0]}")
+    if np.any(~np.isfinite(t)) or np.any(t <= 0):
+        raise ValueError(f"STS temperatures must be finite and > 0, got {t.tolist()}")
+    return t
+
+
+def check_biases(biases, gamma: int) -> np.ndarray:
+    if biases is None:
+        return np.zeros(gamma)
+    b = np.asarray(biases, np.float64).reshape(-1)
+    if b.shape != (gamma,):
+        raise ValueError(f"need {gamma} STS biases (one per position), got {b.shape[0]}")
+    if np.any(~np.isfinite(b)):
+        raise ValueError(f"STS biases must be finite, got {b.tolist()}")
+    return b
+
+
+def sts_path(drafter_dir: str | os.PathLike) -> Path:
+    """Where the decoder and the engine read a drafter's calibration."""
+    return Path(drafter_dir) / STS_FILENAME
+
+
+def check_new_file(path: str | os.PathLike) -> None:
+    """Refuse to replace an STS file (or its label arrays) silently."""
+    for p in (Path(path), sts_data_path(path)):
+        if p.exists():
+            raise FileExistsError(
+                f"{p} already exists; pass --overwrite to replace it, or choose another --out"
+            )
+
+
+def sts_data_path(path: str | os.PathLike) -> Path:
+    """The label arrays beside an STS file: ``sts.json`` -> ``sts_data.npz``."""
+    path = Path(path)
+    return path.with_name(path.stem + "_data.npz")
+
+
+def save_sts(
+    path: str | os.PathLike,
+    result,
+    *,
+    heldout: list[dict] | None = None,
+    fit_report: list[dict] | None = None,
+    data: dict[str, Any] | None = None,
+    arrays: dict[str, np.ndarray] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the STS file ``path`` (a ``.json`` file, or a directory: ``<dir>/sts.json``,
+    where the decoder and engine look for it) and, with ``arrays``, the labels beside it
+    (``<stem>_data.npz``). An existing file is replaced only with ``overwrite``.
+
+    ``heldout``: per-position before/after metrics on the reporting split;
+    ``fit_report``: AUROC etc. on the fit split; ``data``: a description of the prompts
+    and decode settings the labels came from.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = sts_path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {path}: directory {path.parent} does not exist")
+    if not overwrite:
+        check_new_file(path)
+    payload: dict[str, Any] = {
+        "format": "dspark_jax.sts/1",
+        "gamma": len(result.temperatures),
+        "mode": result.mode,
+        "temperatures": result.temperatures,
+        "biases": result.biases,
+        "fit": result.to_dict(),
+        "fit_metrics": fit_report,
+        "heldout_metrics": heldout,
+        "data": data or {},
+    }
+    if arrays:
+        np.savez_compressed(sts_data_path(path), **arrays)
+        payload["data"]["arrays_file"] = sts_data_path(path).name
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(to_jsonable(payload), indent=2) + "\n")
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    return path
+
+
+def load_sts(drafter_dir: str | os.PathLike, gamma: int | None = None) -> STS | None:
+    """``STS(temperatures, biases)`` (each ``[γ]``) from ``<drafter_dir>/sts.json``, or None
+    when there is none. Files without ``biases`` (temperature-only STS) get zeros.
+
+    Pass the fields as ``sts_temperatures=`` / ``sts_biases=`` to ``SpeculativeDecoder``
+    (or the tuple as ``sts=`` to the serving ``Engine``). ``gamma`` (the drafter's draft
+    length), when given, is checked against the file.
+    """
+    path = sts_path(drafter_dir)
+    if not path.is_file():
+        return None
+    try:
+        payload = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(payload, dict) or "temperatures" not in payload:
+        raise ValueError(f"{path} has no 'temperatures' list")
+    temps = payload["temperatures"]
+    if not isinstance(temps, list) or not temps:
+        raise ValueError(f"{path}: 'temperatures' must be a non-empty list, got {temps!r}")
+    n = len(temps) if gamma is None else gamma
+    if len(temps) != n:
+        raise ValueError(
+            f"{path} holds {len(temps)} temperatures but the drafter drafts {gamma} tokens"
+        )
+    biases = payload.get("biases")
+    if biases is not None and not isinstance(biases, list):
+        raise ValueError(f"{path}: 'biases' must be a list, got {biases!r}")
+    try:
+        return STS(
+            check_temperatures(temps, n).astype(np.float32),
+            check_biases(biases, n).astype(np.float32),
+        )
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def to_jsonable(x):
+    """JSON-safe copy: numpy scalars/arrays to Python, NaN/inf to None."""
+    if isinstance(x, dict):
+        return {str(k): to_jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [to_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return to_jsonable(x.tolist())
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        return float(x) if math.isfinite(x) else None
+    return x

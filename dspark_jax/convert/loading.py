@@ -1,0 +1,91 @@
+"""The one loader of model directories every entry point uses (distillation, evaluation,
+generation, serving): a Hugging Face Qwen3 target directory (``config.json``, safetensors,
+``tokenizer.json``) and a drafter directory (``models/drafter_io.py``: weights, config and
+its ``sts.json``). Missing files and mismatched models fail here with errors that name them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from dspark_jax.convert.hf_qwen3 import load_hf
+from dspark_jax.models.drafter_io import STS, load_drafter, load_sts
+from dspark_jax.models.qwen3 import Qwen3, Qwen3Config
+from dspark_jax.tokenizer import TOKENIZER_FILENAME, Tokenizer
+
+__all__ = ["LoadedDrafter", "LoadedTarget", "load_drafter_dir", "load_target"]
+
+
+@dataclasses.dataclass
+class LoadedTarget:
+    """A target model read from its directory; ``params`` are device arrays."""
+
+    module: Qwen3
+    params: Any
+    config: Qwen3Config
+    tokenizer: Tokenizer
+    path: str
+
+
+@dataclasses.dataclass
+class LoadedDrafter:
+    """A drafter read from its directory for one target; ``sts`` is its confidence
+    calibration from ``sts.json`` (None without a confidence head or without the file)."""
+
+    label: str
+    module: Any
+    params: Any
+    path: str | None = None
+    sts: STS | None = None
+
+    @property
+    def config(self):
+        return self.module.config
+
+    @property
+    def draft_len(self) -> int:
+        return self.module.config.draft_len
+
+    @property
+    def has_confidence(self) -> bool:
+        return bool(self.module.config.has_confidence)
+
+
+def load_target(
+    target_dir: str | os.PathLike, dtype=None, *, check_tokenizer: bool = True
+) -> LoadedTarget:
+    """The target in ``target_dir``; ``dtype`` casts the weights (None: the config's
+    ``param_dtype``). ``check_tokenizer``: refuse a tokenizer with more ids than the
+    target's vocabulary here (the serving engine checks it itself, after the drafter)."""
+    d = Path(target_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"target directory {d} does not exist")
+    for name in ("config.json", TOKENIZER_FILENAME):
+        if not (d / name).is_file():
+            raise FileNotFoundError(f"target directory {d} has no {name}")
+    tokenizer = Tokenizer(d)
+    config, params = load_hf(d, dtype=dtype)
+    if check_tokenizer and tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer in {d} has {tokenizer.vocab_size} ids but the target's vocabulary "
+            f"has {config.vocab_size}: they were not trained together"
+        )
+    params = jax.tree.map(jax.numpy.asarray, params)
+    return LoadedTarget(Qwen3(config), params, config, tokenizer, os.fspath(target_dir))
+
+
+def load_drafter_dir(
+    drafter_dir: str | os.PathLike, target_config: Qwen3Config, label: str | None = None
+) -> LoadedDrafter:
+    """The drafter in ``drafter_dir`` for ``target_config``, with its calibration."""
+    path = os.fspath(drafter_dir)
+    module, params = load_drafter(path, target_config)
+    drafter = LoadedDrafter(label or Path(path).name, module, params, path)
+    if drafter.has_confidence:
+        drafter.sts = load_sts(path, drafter.draft_len)
+    return drafter
