@@ -16,34 +16,21 @@ Compile only, for 64 chips, and report memory per device (nothing is allocated):
 ``target.preset`` gives the target's shape to ``--aot`` when ``target.dir`` holds no model.
 """
 
+from dspark_jax.config import update_config
 from dspark_jax.train.drafter_task import drafter_default_config
 
 
 def get_config(preset: str = "qwen3-8b"):
-    cfg = drafter_default_config("dspark")
-    d = cfg.drafter
-    d.gamma = 7
-    d.num_layers = 5
-    d.markov_rank = 256
-    d.anchors_per_seq = 32
-    d.eval_anchors_per_seq = 32
-    cfg.target.dir = ""
-    cfg.target.preset = preset
-    cfg.target.dtype = "bfloat16"
-    cfg.mesh.data = 1
-    cfg.mesh.fsdp = -1
-    cfg.mesh.tensor = 1
-    cfg.data.seq_len = 4096
-    cfg.data.batch_size = 64  # sequences per step (global): 262k tokens
-    cfg.data.num_shards = 64  # fixed: the data order does not depend on the host count
-    cfg.train.compute_dtype = "bfloat16"
-    cfg.train.steps = 20000
-    cfg.train.lr = 6e-4
-    cfg.train.warmup_frac = 0.04
-    cfg.train.weight_decay = 0.0
-    cfg.train.clip_norm = 1.0
-    cfg.train.log_every = 20
-    cfg.train.eval_every = 1000
-    cfg.train.eval_batches = 4
-    cfg.train.checkpoint_every = 1000
-    return cfg
+    return update_config(
+        drafter_default_config("dspark"),
+        drafter=dict(gamma=7, num_layers=5, markov_rank=256, anchors_per_seq=32,
+                     eval_anchors_per_seq=32),
+        target=dict(dir="", preset=preset, dtype="bfloat16"),
+        mesh=dict(data=1, fsdp=-1, tensor=1),
+        # 64 sequences per step (global): 262k tokens; 64 data shards, fixed, so the data
+        # order does not depend on the host count.
+        data=dict(seq_len=4096, batch_size=64, num_shards=64),
+        train=dict(compute_dtype="bfloat16", steps=20000, lr=6e-4, warmup_frac=0.04,
+                   weight_decay=0.0, clip_norm=1.0, log_every=20, eval_every=1000,
+                   eval_batches=4, checkpoint_every=1000),
+    )  # fmt: skip

@@ -1,29 +1,12 @@
-"""DSpark with the RNN sequential head (rank 256) + confidence head.
-
-Bundled drafter (DESIGN §8) for the "pycode-small" target in ``assets/target`` (d = 256,
-6 layers, vocab 8192, tied embeddings), trained on its self-distillation data in
-``data/distill`` (``python -m dspark_jax.data.distill --target assets/target ...``).
-
-    python train.py --config configs/drafter_dspark_rnn.py --workdir workdirs/drafter_dspark_rnn
-    python -m dspark_jax.export --workdir workdirs/drafter_dspark_rnn --out assets/drafters/dspark_rnn
-
-Equal budgets across the bundled drafters (DSpark, DSpark-RNN, DFlash, EAGLE-3, MTP-1):
-same target, data, steps, batch (8 x 384 tokens = one 128-token prompt + 256 generated),
-optimiser and schedule, set in one place: ``dspark_jax.train.bundled``.
-"""
+"""DSpark with the RNN sequential head (rank 256) + confidence head. Bundled drafter; its
+shared budget and build commands: ``dspark_jax/train/bundled.py``."""
 
 from dspark_jax.train.bundled import bundled_drafter_config
 
 
 def get_config():
-    cfg = bundled_drafter_config("dspark")
-    d = cfg.drafter
-    d.gamma = 7
-    d.num_layers = 2
-    d.head = "rnn"
-    d.rnn_rank = 256  # DESIGN's default rank, as for the Markov head (drafter_dspark.py)
-    d.markov_rank = 256
-    # W2 = 0, W1 ~ N(0, 1): with DeepSpec's N(0, 0.02) factors the head learnt a bias of
-    # ~0.003 logits in the budget, i.e. nothing (models/heads.py SequentialHead).
-    d.head_init = "zero_bias"
-    return cfg
+    # DESIGN's default rank, as for the Markov head; head_init as in drafter_dspark.py.
+    return bundled_drafter_config(
+        "dspark", gamma=7, num_layers=2, head="rnn", rnn_rank=256, markov_rank=256,
+        head_init="zero_bias",
+    )  # fmt: skip

@@ -1,26 +1,10 @@
-"""EAGLE-3 baseline: one fused-input layer, training-time test over gamma = 7.
-
-Bundled drafter (DESIGN §8) for the "pycode-small" target in ``assets/target`` (d = 256,
-6 layers, vocab 8192, tied embeddings), trained on its self-distillation data in
-``data/distill`` (``python -m dspark_jax.data.distill --target assets/target ...``).
-
-    python train.py --config configs/drafter_eagle3.py --workdir workdirs/drafter_eagle3
-    python -m dspark_jax.export --workdir workdirs/drafter_eagle3 --out assets/drafters/eagle3
-
-Equal budgets across the bundled drafters (DSpark, DSpark-RNN, DFlash, EAGLE-3, MTP-1):
-same target, data, steps, batch (8 x 384 tokens = one 128-token prompt + 256 generated),
-optimiser and schedule, set in one place: ``dspark_jax.train.bundled``.
-"""
+"""EAGLE-3 baseline: one fused-input layer, training-time test over γ = 7. Bundled
+drafter; its shared budget and build commands: ``dspark_jax/train/bundled.py``."""
 
 from dspark_jax.train.bundled import bundled_drafter_config
 
 
 def get_config():
-    cfg = bundled_drafter_config("eagle3")
-    d = cfg.drafter
-    d.gamma = 7
-    d.num_layers = 1
     # Same labels per step as DSpark/DFlash: only the sampled anchors' states are scored
     # (LM head only there); "all" positions costs ~6x more per step on CPU (measured).
-    d.sequence_positions = "anchors"
-    return cfg
+    return bundled_drafter_config("eagle3", gamma=7, num_layers=1, sequence_positions="anchors")

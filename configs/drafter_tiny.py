@@ -5,6 +5,9 @@ with KIND in dspark | dspark_rnn | dflash | eagle3 | mtp1 (default dspark).
         --config.target.dir=TARGET_HF_DIR --config.data.data_dir=DISTILL_DIR
 """
 
+from dspark_jax.config import update_config
+from dspark_jax.models.drafter_config import drafter_kind
+from dspark_jax.testing import smoke_schedule
 from dspark_jax.train.drafter_task import drafter_default_config
 
 
@@ -12,25 +15,11 @@ def get_config(kind: str = "dspark"):
     head = None
     if kind == "dspark_rnn":
         kind, head = "dspark", "rnn"
-    cfg = drafter_default_config(kind)
-    d = cfg.drafter
-    d.gamma = 1 if kind == "mtp1" else 4
-    d.num_layers = 1
-    d.head = head
-    d.markov_rank = 16
-    d.rnn_rank = 16
-    d.anchors_per_seq = 4
-    d.eval_anchors_per_seq = 4
-    cfg.target.dir = ""
-    cfg.data.data_dir = ""
-    cfg.data.seq_len = 32
-    cfg.data.batch_size = 8
-    cfg.train.steps = 12
-    cfg.train.lr = 3e-3
-    cfg.train.warmup_frac = 0.1
-    cfg.train.log_every = 1
-    cfg.train.eval_every = 6
-    cfg.train.eval_batches = 1
-    cfg.train.checkpoint_every = 4
-    cfg.train.keep_checkpoints = 2
-    return cfg
+    return update_config(
+        drafter_default_config(kind),
+        drafter=dict(gamma=1 if drafter_kind(kind).single_token else 4, num_layers=1, head=head, markov_rank=16,
+                     rnn_rank=16, anchors_per_seq=4, eval_anchors_per_seq=4),
+        target=dict(dir=""),
+        data=dict(data_dir="", seq_len=32, batch_size=8),
+        train=smoke_schedule(steps=12, eval_every=6, eval_batches=1, checkpoint_every=4),
+    )  # fmt: skip

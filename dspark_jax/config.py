@@ -162,6 +162,24 @@ def validate(cfg: ConfigDict) -> None:
         model_config_from(cfg.model)
 
 
+def update_config(cfg: ConfigDict, **sections: Any) -> ConfigDict:
+    """Set fields of ``cfg`` by section, e.g. ``update_config(cfg, task="lm",
+    train=dict(steps=40, lr=3e-3))``; returns ``cfg``. Every key must exist already, so a
+    misspelt field in a config file fails the way a ``--config.`` override does."""
+    for name, value in sections.items():
+        if name not in cfg:
+            raise ConfigError(f"Unknown config key '{name}'; known: {sorted(cfg)}")
+        if not isinstance(value, dict):
+            cfg[name] = value
+            continue
+        section = cfg[name]
+        for key, v in value.items():
+            if key not in section:
+                raise ConfigError(f"Unknown config key '{name}.{key}'; known: {sorted(section)}")
+            section[key] = v
+    return cfg
+
+
 def load_config(spec: str, overrides: Sequence[tuple[str, str]] = ()) -> ConfigDict:
     cfg = load_config_file(spec)
     for key, value in overrides:

@@ -11,7 +11,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["tiny_random_models"]
+__all__ = ["smoke_schedule", "tiny_random_models"]
+
+
+def smoke_schedule(steps: int, eval_every: int, eval_batches: int, checkpoint_every: int):
+    """``train`` fields of a tiny smoke/test run (configs/*_tiny.py): a high learning rate
+    so a few steps move the loss, a log line every step, two checkpoints kept."""
+    return dict(
+        steps=steps, lr=3e-3, warmup_frac=0.1, log_every=1, eval_every=eval_every,
+        eval_batches=eval_batches, checkpoint_every=checkpoint_every, keep_checkpoints=2,
+    )  # fmt: skip
 
 
 def tiny_random_models(

@@ -280,7 +280,7 @@ def _abstract_drafter_task(cfg):
             d = self.cfg.target.dir
             if d and os.path.isfile(os.path.join(d, "config.json")):
                 return super()._read_target_config()
-            preset = self.cfg.target.get("preset", "")
+            preset = self.cfg.target.preset
             if not preset:
                 raise FileNotFoundError(
                     f"--aot needs the target's shape: target.dir = {d!r} holds no config.json "

@@ -140,7 +140,10 @@ def drafter_default_config(kind: str = "dspark") -> ConfigDict:
             "remat": "none",
         }
     )
-    cfg.target = ml_collections.ConfigDict({"dir": "assets/target", "dtype": "float32"})
+    # preset: the target's shape for --aot when ``dir`` holds no model (e.g. qwen3-8b).
+    cfg.target = ml_collections.ConfigDict(
+        {"dir": "assets/target", "dtype": "float32", "preset": ""}
+    )
     cfg.data.data_dir = "data/distill"
     cfg.data.tokenizer = ""  # "" = <target.dir>/tokenizer.json
     cfg.loss = ml_collections.ConfigDict(
