@@ -8,10 +8,46 @@ serving) runs with real shapes.
 
 from __future__ import annotations
 
+import os
+import shutil
+import sysconfig
+
 import jax
 import jax.numpy as jnp
 
-__all__ = ["smoke_schedule", "tiny_random_models"]
+__all__ = ["one_device_subprocess_env", "smoke_schedule", "stdlib_corpus", "tiny_random_models"]
+
+
+def stdlib_corpus(root, modules, vocab_size: int = 320, **prepare_kwargs) -> tuple[str, str]:
+    """A small, deterministic corpus of real Python code: the standard library's
+    ``modules`` (names without ``.py``) prepared under ``root/data`` as a source-tree
+    corpus, with a BPE tokenizer trained on its train split. Returns ``(data_dir,
+    tokenizer_path)``."""
+    from dspark_jax.data import TRAIN, make_text_dataset, prepare_corpus, train_bpe_tokenizer
+
+    src = os.path.join(root, "src")
+    os.makedirs(src, exist_ok=True)
+    stdlib = sysconfig.get_paths()["stdlib"]
+    for name in modules:
+        shutil.copy(os.path.join(stdlib, name + ".py"), os.path.join(src, name + ".py"))
+    data_dir = os.path.join(root, "data")
+    prepare_corpus("source_tree", src, data_dir, **prepare_kwargs)
+    texts = (r["text"] for r in make_text_dataset(data_dir, TRAIN, shuffle=False))
+    tok = train_bpe_tokenizer(texts, vocab_size, out_path=os.path.join(data_dir, "tokenizer.json"))
+    return data_dir, str(tok.path)
+
+
+def one_device_subprocess_env(compile_cache_dir) -> dict[str, str]:
+    """Environment for a child ``train.py`` in tests: one CPU device (fastest to compile;
+    the fake-device count of ``tests/conftest.py`` removed) and a persistent compilation
+    cache shared by the children, so a resumed run does not compile again."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(
+        f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f
+    )
+    env["JAX_COMPILATION_CACHE_DIR"] = str(compile_cache_dir)
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    return env
 
 
 def smoke_schedule(steps: int, eval_every: int, eval_batches: int, checkpoint_every: int):

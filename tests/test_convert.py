@@ -19,20 +19,13 @@ from dspark_jax.convert import (
     params_to_hf_state_dict,
     save_hf,
 )
+from dspark_jax.models.presets import PRESETS
 from dspark_jax.models.qwen3 import Qwen3, Qwen3Config
 
-UNTIED = Qwen3Config(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rope_theta=500_000.0,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
+UNTIED = PRESETS["tiny"].replace(
+    vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, head_dim=8,
+    rope_theta=500_000.0, max_position_embeddings=64,
+)  # fmt: skip
 TIED = UNTIED.replace(tie_word_embeddings=True, num_attention_heads=6)
 
 

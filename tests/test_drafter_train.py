@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.config import ConfigError, load_config
+from dspark_jax.testing import one_device_subprocess_env
 from dspark_jax.train import anchors as A
 from dspark_jax.train import read_metrics, train
 
@@ -339,12 +340,7 @@ def _cli(cfg_spec, workdir, *extra):
 
 @pytest.mark.slow
 def test_kill_and_resume_replays_the_same_losses(env, tmp_path):
-    env_vars = dict(os.environ)
-    env_vars["XLA_FLAGS"] = " ".join(
-        f for f in env_vars.get("XLA_FLAGS", "").split() if "device_count" not in f
-    )
-    env_vars["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax_cache")
-    env_vars["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env_vars = one_device_subprocess_env(tmp_path / "jax_cache")
     steps = 60
     extra = [f"--config.{k}={v}" for k, v in _overrides(env)]
     extra += [f"--config.train.steps={steps}", "--config.train.checkpoint_every=15",

@@ -12,22 +12,14 @@ from dspark_jax.models.backbone import apply_lm_head
 from dspark_jax.models.draft_api import DraftContext, SamplingSettings
 from dspark_jax.models.drafter_config import DrafterConfig, default_taps, eagle3_default_taps
 from dspark_jax.models.drafters import feature_dim, init_drafter_params, make_drafter
-from dspark_jax.models.qwen3 import Qwen3Config
+from dspark_jax.models.presets import PRESETS
 from dspark_jax.ops.sampling import process_logits, sample
 from dspark_jax.sharding import LOGICAL_RULES
 
-TGT = Qwen3Config(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rope_theta=10_000.0,
+TGT = PRESETS["tiny"].replace(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, head_dim=8,
     max_position_embeddings=128,
-    tie_word_embeddings=False,
-)
+)  # fmt: skip
 GAMMA = 4
 MASK = 5
 

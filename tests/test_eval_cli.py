@@ -16,7 +16,7 @@ from dspark_jax.eval.prompts import format_prompt, load_prompts, split_prompts
 from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.drafter_io import save_drafter
 from dspark_jax.models.drafters import init_drafter_params, make_drafter
-from dspark_jax.models.qwen3 import Qwen3Config
+from dspark_jax.models.presets import PRESETS
 
 GAMMA = 4
 MAX_NEW = 16
@@ -83,18 +83,7 @@ def workspace(tmp_path_factory):
     target_dir = root / "target"
     texts = [f"def f_{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(300)] + QUESTIONS
     tok = train_bpe_tokenizer(texts, 300, out_path=target_dir / "tokenizer.json")
-    cfg = Qwen3Config(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rope_theta=10_000.0,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
+    cfg = PRESETS["tiny"].replace(vocab_size=300, hidden_size=32, intermediate_size=64, head_dim=8)
     rng = np.random.default_rng(0)
     params = {}
     for path, shape in param_shapes(cfg).items():
@@ -280,64 +269,24 @@ def test_cli_plot(cli_run, capsys):
 
 def test_cli_errors(workspace, cli_run, tmp_path, capsys):
     prompts = str(workspace["root"] / "gsm8k.jsonl")
-    rc = main(
-        [
-            "acceptance",
-            "--target",
-            str(tmp_path / "none"),
-            "--drafter",
-            "x",
-            "--prompts",
-            prompts,
-            "--out",
-            str(tmp_path / "r.json"),
-        ]
-    )
-    assert rc == 2 and "does not exist" in capsys.readouterr().err
-    rc = main(
-        [
-            "acceptance",
-            "--target",
-            str(workspace["target"]),
-            "--drafter",
-            "x",
-            "--prompts",
-            prompts,
-            "--out",
-            str(tmp_path / "r.json"),
-            "--slots",
-            "0",
-        ]
-    )
-    assert rc == 2 and "--slots" in capsys.readouterr().err
-    rc = main(["plot", "--results", str(tmp_path / "missing.json"), "--out-dir", str(tmp_path)])
-    assert rc == 2 and "results file not found" in capsys.readouterr().err
-    rc = main(
-        [
-            "acceptance",
-            "--target",
-            str(workspace["target"]),
-            "--drafter",
-            str(tmp_path / "nodrafter"),
-            "--prompts",
-            prompts,
-            "--out",
-            str(tmp_path / "r.json"),
-        ]
-    )
-    assert rc == 2 and "does not exist" in capsys.readouterr().err
-    rc = main(
-        [
-            "calibrate",
-            "--target",
-            str(workspace["target"]),
-            "--drafter",
-            str(workspace["root"] / "dflash"),
-            "--prompts",
-            prompts,
-        ]
-    )
-    assert rc == 2 and "no confidence head" in capsys.readouterr().err
+    target, out = str(workspace["target"]), str(tmp_path / "r.json")
+
+    def acceptance(target, drafter, *extra):
+        return ["acceptance", "--target", target, "--drafter", drafter, "--prompts", prompts,
+                "--out", out, *extra]  # fmt: skip
+
+    cases = [
+        (acceptance(str(tmp_path / "none"), "x"), "does not exist"),
+        (acceptance(target, "x", "--slots", "0"), "--slots"),
+        (["plot", "--results", str(tmp_path / "missing.json"), "--out-dir", str(tmp_path)],
+         "results file not found"),
+        (acceptance(target, str(tmp_path / "nodrafter")), "does not exist"),
+        (["calibrate", "--target", target, "--drafter", str(workspace["root"] / "dflash"),
+          "--prompts", prompts], "no confidence head"),
+    ]  # fmt: skip
+    for argv, expected in cases:
+        rc = main(argv)
+        assert rc == 2 and expected in capsys.readouterr().err, argv
 
 
 def test_cli_calibrate_never_replaces_a_file_silently(cli_run, workspace, capsys):

@@ -59,6 +59,12 @@ def model_dirs(tmp_path_factory):
     )
 
 
+def _argv(d, out, *flags, drafter=True):
+    """``--target/--drafter/--prompts/--out`` of the ``model_dirs`` fixture, then ``flags``."""
+    head = ["--target", d["target"]] + (["--drafter", d["drafter"]] if drafter else [])
+    return head + ["--prompts", d["prompts"], "--out", str(out), *flags]
+
+
 def _read(path):
     with open(path) as f:
         return [json.loads(line) for line in f]
@@ -67,26 +73,8 @@ def _read(path):
 def test_greedy_cli_matches_autoregressive(model_dirs, capsys):
     d = model_dirs
     out = str(d["root"] / "fixed.jsonl")
-    rc = main(
-        [
-            "--target",
-            d["target"],
-            "--drafter",
-            d["drafter"],
-            "--prompts",
-            d["prompts"],
-            "--out",
-            out,
-            "--max-new-tokens",
-            "12",
-            "--slots",
-            "2",
-            "--max-len",
-            "64",
-            "--prompt-style",
-            "raw",
-        ]
-    )
+    flags = ["--max-new-tokens", "12", "--slots", "2", "--max-len", "64", "--prompt-style", "raw"]
+    rc = main(_argv(d, out, *flags))
     assert rc == 0
     printed = capsys.readouterr().out
     assert "tau=" in printed and "tokens/s=" in printed
@@ -110,36 +98,9 @@ def test_prefix_sampling_cli_profiles_sps_and_reuses_cache(model_dirs, monkeypat
     d = model_dirs
     monkeypatch.setenv("XDG_CACHE_HOME", str(d["root"] / "xdg"))
     out = str(d["root"] / "prefix.jsonl")
-    args = [
-        "--target",
-        d["target"],
-        "--drafter",
-        d["drafter"],
-        "--prompts",
-        d["prompts"],
-        "--out",
-        out,
-        "--max-new-tokens",
-        "6",
-        "--slots",
-        "2",
-        "--max-len",
-        "64",
-        "--scheduler",
-        "prefix",
-        "--temperature",
-        "1.0",
-        "--top-k",
-        "20",
-        "--top-p",
-        "0.9",
-        "--num-samples",
-        "2",
-        "--limit",
-        "2",
-        "--seed",
-        "3",
-    ]
+    flags = "--max-new-tokens 6 --slots 2 --max-len 64 --scheduler prefix --temperature 1.0 "
+    flags += "--top-k 20 --top-p 0.9 --num-samples 2 --limit 2 --seed 3"
+    args = _argv(d, out, *flags.split())
     assert main(args) == 0
     lines = _read(out)
     assert [(x["prompt_index"], x["sample_index"]) for x in lines] == [
@@ -163,25 +124,8 @@ def test_no_drafter_runs_plain_decoding(model_dirs, capsys):
     """Also: more --slots than prompts verifies only as many slots as there are requests."""
     d = model_dirs
     out = str(d["root"] / "plain.jsonl")
-    assert (
-        main(
-            [
-                "--target",
-                d["target"],
-                "--prompts",
-                d["prompts"],
-                "--out",
-                out,
-                "--max-new-tokens",
-                "5",
-                "--slots",
-                "8",
-                "--max-len",
-                "64",
-            ]
-        )
-        == 0
-    )
+    flags = ["--max-new-tokens", "5", "--slots", "8", "--max-len", "64"]
+    assert main(_argv(d, out, *flags, drafter=False)) == 0
     assert "slots=3," in capsys.readouterr().out  # 3 prompts, 8 slots asked for
     lines = _read(out)
     assert all(set(x["accepted_per_round"]) <= {0} for x in lines)
@@ -242,25 +186,8 @@ def test_module_entry_point(model_dirs, tmp_path):
     d = model_dirs
     out = tmp_path / "m.jsonl"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dspark_jax.generate",
-            "--target",
-            d["target"],
-            "--drafter",
-            d["drafter"],
-            "--prompts",
-            d["prompts"],
-            "--out",
-            str(out),
-            "--max-new-tokens",
-            "4",
-            "--max-len",
-            "64",
-            "--scheduler",
-            "topk",
-        ],
+        [sys.executable, "-m", "dspark_jax.generate"]
+        + _argv(d, out, "--max-new-tokens", "4", "--max-len", "64", "--scheduler", "topk"),
         capture_output=True,
         text=True,
         timeout=600,

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.convert import load_hf, param_shapes, save_hf
+from dspark_jax.models.presets import PRESETS
 from dspark_jax.models.qwen3 import Qwen3, Qwen3Config, init_cache
 
 torch = pytest.importorskip("torch")
@@ -168,18 +169,10 @@ def test_greedy_continuation_matches_transformers(hf_checkpoint):
     ids=["untied-fp32-single", "untied-bf16-sharded", "tied-fp32-sharded", "tied-bf16-single"],
 )
 def test_export_loads_in_transformers(tmp_path, tied, dtype, shard):
-    config = Qwen3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rope_theta=5e5,
-        max_position_embeddings=128,
-        tie_word_embeddings=tied,
-    )
+    config = PRESETS["tiny"].replace(
+        vocab_size=128, intermediate_size=96, num_hidden_layers=2, rope_theta=5e5,
+        max_position_embeddings=128, tie_word_embeddings=tied,
+    )  # fmt: skip
     # Random values on the model's tree (param_shapes is checked against Qwen3.init in
     # test_convert); norm scales sit off one so a swapped or dropped norm would show.
     rng = np.random.default_rng(3)

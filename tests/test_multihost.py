@@ -17,13 +17,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import sysconfig
 
 import jax
 import numpy as np
 import pytest
 
 from dspark_jax.config import load_config
+from dspark_jax.testing import stdlib_corpus
 from dspark_jax.train import distributed as dist
 from dspark_jax.train import read_metrics, train
 
@@ -36,19 +36,7 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from dspark_jax.data import TRAIN, make_text_dataset, prepare_corpus, train_bpe_tokenizer
-
-    root = tmp_path_factory.mktemp("mh_corpus")
-    src = root / "src"
-    src.mkdir()
-    stdlib = sysconfig.get_paths()["stdlib"]
-    for name in _STDLIB_FILES:
-        shutil.copy(os.path.join(stdlib, name + ".py"), src / (name + ".py"))
-    data_dir = root / "data"
-    prepare_corpus("source_tree", str(src), str(data_dir), heldout_percent=25)
-    texts = (r["text"] for r in make_text_dataset(str(data_dir), TRAIN, shuffle=False))
-    tok = train_bpe_tokenizer(texts, 320, out_path=str(data_dir / "tokenizer.json"))
-    return str(data_dir), str(tok.path)
+    return stdlib_corpus(tmp_path_factory.mktemp("mh_corpus"), _STDLIB_FILES, heldout_percent=25)
 
 
 def _overrides(corpus):

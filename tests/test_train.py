@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 
 import jax
@@ -15,6 +13,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.config import ConfigError, load_config
+from dspark_jax.testing import one_device_subprocess_env, stdlib_corpus
 from dspark_jax.train import read_metrics, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,19 +25,7 @@ _STDLIB_FILES = ("abc", "bisect", "colorsys", "copy", "heapq", "keyword", "numbe
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from dspark_jax.data import TRAIN, make_text_dataset, prepare_corpus, train_bpe_tokenizer
-
-    root = tmp_path_factory.mktemp("corpus")
-    src = root / "src"
-    src.mkdir()
-    stdlib = sysconfig.get_paths()["stdlib"]
-    for name in _STDLIB_FILES:
-        shutil.copy(os.path.join(stdlib, name + ".py"), src / (name + ".py"))
-    data_dir = root / "data"
-    prepare_corpus("source_tree", str(src), str(data_dir))
-    texts = (r["text"] for r in make_text_dataset(str(data_dir), TRAIN, shuffle=False))
-    tok = train_bpe_tokenizer(texts, 320, out_path=str(data_dir / "tokenizer.json"))
-    return str(data_dir), str(tok.path)
+    return stdlib_corpus(tmp_path_factory.mktemp("corpus"), _STDLIB_FILES)
 
 
 def _overrides(corpus, **kw):
@@ -93,14 +80,9 @@ def _cli(workdir, *extra):
 
 
 def test_kill_and_resume_replays_the_same_losses(corpus, tmp_path):
-    env = dict(os.environ)
-    # One CPU device: fastest to compile; sharded equivalence is tested above.
-    env["XLA_FLAGS"] = " ".join(
-        f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f
-    )
-    # Reuse compiled steps across the three processes (same program, same binary).
-    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax_cache")
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    # One CPU device (sharded equivalence is tested above); the three processes share
+    # compiled steps (same program, same binary).
+    env = one_device_subprocess_env(tmp_path / "jax_cache")
     steps = 100
     extra = [f"--config.{k}={v}" for k, v in _overrides(corpus)]
     extra += [f"--config.train.steps={steps}", "--config.train.checkpoint_every=25",

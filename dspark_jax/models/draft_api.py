@@ -14,16 +14,25 @@ tokens (``DraftContext.tokens``). Token k of a block is drawn with ``split(rng, 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
+import flax.linen as nn
 import flax.struct
 import jax
 
+from dspark_jax.models.drafter_config import DrafterConfig
+from dspark_jax.models.qwen3 import Qwen3Config
 from dspark_jax.ops.sampling import SamplingSettings
 
 Array = jax.Array
 
-__all__ = ["DraftContext", "DraftOutput", "SamplingSettings", "check_draft_inputs"]
+__all__ = [
+    "DraftContext",
+    "DraftOutput",
+    "DrafterModule",
+    "SamplingSettings",
+    "check_draft_inputs",
+]
 
 
 @flax.struct.dataclass
@@ -92,3 +101,34 @@ def check_draft_inputs(
         need(tokens is not None, f"needs context_tokens [{r}, {m}] (DraftContext.tokens)")
         need(tokens.shape == (r, m), f"context tokens must be {(r, m)}, got {tokens.shape}")
     return r, m
+
+
+class DrafterModule(nn.Module):
+    """Base of every drafter module: the fields they share and the one ``draft`` entry
+    point, which checks its inputs and calls the kind's ``_draft``. Subclasses also
+    implement ``train_forward`` (its inputs differ by kind: blocks vs. every position)."""
+
+    config: DrafterConfig  # resolved (DrafterConfig.resolve); build with make_drafter
+    target: Qwen3Config
+    label: ClassVar[str] = "drafter"  # names the drafter in error messages
+
+    def draft(
+        self,
+        context: DraftContext,
+        anchor_tokens: Array,
+        rng: Array,
+        sampling: SamplingSettings,
+        embed,
+        lm_head,
+    ) -> DraftOutput:
+        """One round of drafts for R slots (DESIGN §5.2); see the module docstring."""
+        cached = self.config.kv_context
+        # Drafters without a context K/V cache re-run their layer over the committed tokens.
+        check_draft_inputs(
+            self.label, context, anchor_tokens, embed, lm_head,
+            needs_tokens=not cached, accepts_cached=cached,
+        )  # fmt: skip
+        return self._draft(context, anchor_tokens, rng, sampling, embed, lm_head)
+
+    def _draft(self, context, anchor_tokens, rng, sampling, embed, lm_head) -> DraftOutput:
+        raise NotImplementedError

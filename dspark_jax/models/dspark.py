@@ -19,19 +19,16 @@ DFlash (DeepSpec's baseline) is the same module with no sequential head and no c
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from dspark_jax.models import heads as H
 from dspark_jax.models.backbone import ParallelBackbone, apply_lm_head, embed_tokens
 from dspark_jax.models.draft_api import (
-    DraftContext,
+    DrafterModule,
     DraftOutput,
     SamplingSettings,
-    check_draft_inputs,
 )
-from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.qwen3 import Qwen3Config
 
 Array = jax.Array
@@ -69,14 +66,13 @@ def sample_scan(step_fn, prev0, extra0, per_step, rng, gamma, sampling: Sampling
     return toks.T, p_toks.T, jnp.swapaxes(probs, 0, 1), confs
 
 
-class DSparkDrafter(nn.Module):
+class DSparkDrafter(DrafterModule):
     """DSpark (and DFlash) drafter. Build with ``drafters.make_drafter``.
 
     Entry points (``apply(..., method=...)``): ``train_forward`` and ``draft``.
     """
 
-    config: DrafterConfig  # resolved (see DrafterConfig.resolve)
-    target: Qwen3Config
+    label = "DSpark"
 
     def setup(self):
         cfg, tgt = self.config, self.target
@@ -197,15 +193,7 @@ class DSparkDrafter(nn.Module):
         return (logits, conf, h) if return_hidden else (logits, conf)
 
     # -- drafting -------------------------------------------------------------------------
-    def draft(
-        self,
-        context: DraftContext,
-        anchor_tokens: Array,
-        rng: Array,
-        sampling: SamplingSettings,
-        embed,
-        lm_head,
-    ) -> DraftOutput:
+    def _draft(self, context, anchor_tokens, rng, sampling, embed, lm_head) -> DraftOutput:
         """Draft γ tokens per slot (the drafting half of the decode step, DESIGN §5.2).
 
         ``context.rows``: tap features ``[R, M, m·d]`` of committed positions
@@ -214,15 +202,7 @@ class DSparkDrafter(nn.Module):
         re-projecting the whole context every round. ``sampling``: scalars or ``[R]``
         (temperature 0 = greedy argmax). ``embed``, ``lm_head``: the frozen target's.
         """
-        r, m = check_draft_inputs(
-            "DSpark",
-            context,
-            anchor_tokens,
-            embed,
-            lm_head,
-            needs_tokens=False,
-            accepts_cached=True,
-        )
+        r, m = context.rows.shape[:2]
         ctx_len = context.length
         ctx_mask = jnp.arange(m, dtype=jnp.int32)[None, :] < ctx_len[:, None]
         block_pos = ctx_len[:, None].astype(jnp.int32) + jnp.arange(

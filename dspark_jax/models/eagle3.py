@@ -29,12 +29,9 @@ import jax.numpy as jnp
 
 from dspark_jax.models.backbone import DraftDecoderLayer, apply_lm_head, embed_tokens
 from dspark_jax.models.draft_api import (
-    DraftContext,
+    DrafterModule,
     DraftOutput,
-    SamplingSettings,
-    check_draft_inputs,
 )
-from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.dspark import _check, draft_qwen3_config
 from dspark_jax.models.qwen3 import Projection, Qwen3Config, RMSNorm
 
@@ -95,11 +92,10 @@ class _Eagle3Core(nn.Module):
         return h, kv, self.norm(h)
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(DrafterModule):
     """EAGLE-3 drafter. Entry points: ``train_forward`` and ``draft``."""
 
-    config: DrafterConfig  # resolved
-    target: Qwen3Config
+    label = "EAGLE-3"
 
     def setup(self):
         cfg, tgt = self.config, self.target
@@ -172,15 +168,7 @@ class Eagle3Drafter(nn.Module):
             all_logits.append(apply_lm_head(lm_head, hn, tgt.vocab_size))
         return jnp.stack(all_logits, axis=0)
 
-    def draft(
-        self,
-        context: DraftContext,
-        anchor_tokens: Array,
-        rng: Array,
-        sampling: SamplingSettings,
-        embed,
-        lm_head,
-    ) -> DraftOutput:
+    def _draft(self, context, anchor_tokens, rng, sampling, embed, lm_head) -> DraftOutput:
         """Draft γ tokens autoregressively (``lax.scan`` over steps 1..γ-1).
 
         ``context.rows [R, M, m·d]`` and ``context.tokens [R, M]`` hold the tap features and
@@ -188,15 +176,7 @@ class Eagle3Drafter(nn.Module):
         ``length``. ``confidence_logits`` is ``None``.
         """
         cfg, tgt = self.config, self.target
-        r, m = check_draft_inputs(
-            "EAGLE-3",
-            context,
-            anchor_tokens,
-            embed,
-            lm_head,
-            needs_tokens=True,
-            accepts_cached=False,
-        )
+        r, m = context.rows.shape[:2]
         context_feats, context_tokens = context.rows, context.tokens
         ctx_len = context.length.astype(jnp.int32)
         gamma = cfg.gamma

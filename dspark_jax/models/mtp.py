@@ -13,30 +13,25 @@ states ``t <= c-1``, whose K/V are recomputed from the context each round).
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from dspark_jax.models.backbone import DraftDecoderLayer, apply_lm_head, embed_tokens
 from dspark_jax.models.draft_api import (
-    DraftContext,
+    DrafterModule,
     DraftOutput,
-    SamplingSettings,
-    check_draft_inputs,
 )
-from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.dspark import _check, draft_qwen3_config
 from dspark_jax.models.eagle3 import _gather_rows, causal_mask, next_tokens, shift_left
-from dspark_jax.models.qwen3 import Projection, Qwen3Config, RMSNorm
+from dspark_jax.models.qwen3 import Projection, RMSNorm
 
 Array = jax.Array
 
 
-class MTPDrafter(nn.Module):
+class MTPDrafter(DrafterModule):
     """MTP-1 drafter. Entry points: ``train_forward`` and ``draft`` (one token)."""
 
-    config: DrafterConfig  # resolved
-    target: Qwen3Config
+    label = "MTP-1"
 
     def setup(self):
         cfg, tgt = self.config, self.target
@@ -84,24 +79,14 @@ class MTPDrafter(nn.Module):
         h, _ = layer(layer.attn_input(states), states, pos, [], "block", causal_mask(valid))
         return apply_lm_head(lm_head, self.norm(h), self.target.vocab_size)
 
-    def draft(
-        self,
-        context: DraftContext,
-        anchor_tokens: Array,
-        rng: Array,
-        sampling: SamplingSettings,
-        embed,
-        lm_head,
-    ) -> DraftOutput:
+    def _draft(self, context, anchor_tokens, rng, sampling, embed, lm_head) -> DraftOutput:
         """One draft token per slot: ``DraftOutput`` with ``tokens [R, 1]``, ``probs [R, 1, V]``.
 
         ``context.rows [R, M, d]`` / ``context.tokens [R, M]``: final hidden states and
         tokens of committed positions ``0..length-1`` (``length >= 1``); anchor at
         ``length``. The token uses ``split(rng, 1)[0]`` (same convention as DSpark).
         """
-        r, m = check_draft_inputs(
-            "MTP-1", context, anchor_tokens, embed, lm_head, needs_tokens=True, accepts_cached=False
-        )
+        r, m = context.rows.shape[:2]
         context_feats, context_tokens = context.rows, context.tokens
         ctx_len = context.length.astype(jnp.int32)
         states = self._states(
