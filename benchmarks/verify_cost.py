@@ -34,17 +34,6 @@ from dspark_jax.sched import sps as sps_lib
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _median_time(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="pycode-small")
@@ -74,7 +63,7 @@ def main(argv=None) -> dict:
     if ks[-1] != r * g:
         ks.append(r * g)
     fns = dec.profile_step_fns(ks)  # whole rounds (draft+schedule+verify); split below
-    round_times = {b: _median_time(fn, args.repeats) for b, fn in fns.items()}
+    round_times = {b: sps_lib.median_seconds(fn, args.repeats) for b, fn in fns.items()}
     ratio_round = round_times[r * (g + 1)] / round_times[r]
 
     # --- anatomy at the full bucket and at K = 0 -----------------------------------------
@@ -87,7 +76,7 @@ def main(argv=None) -> dict:
     params = dec._params
     draft_fn = jax.jit(lambda p, s, k: dec._draft(p, s, k)[:3])
     key = jax.random.key(3)
-    t_draft = _median_time(lambda: draft_fn(params, state, key), args.repeats)
+    t_draft = sps_lib.median_seconds(lambda: draft_fn(params, state, key), args.repeats)
     tokens, _, conf = draft_fn(params, state, key)
     # Same draft from tap features re-projected over the whole context every round (what
     # the decoder did before it kept per-slot drafter K/V rows), side by side.
@@ -103,17 +92,19 @@ def main(argv=None) -> dict:
         )  # fmt: skip
         return out.tokens, out.probs
 
-    t_draft_feats = _median_time(lambda: feature_draft_fn(params, state, key), args.repeats)
+    t_draft_feats = sps_lib.median_seconds(
+        lambda: feature_draft_fn(params, state, key), args.repeats
+    )
     survival = jnp.cumprod(conf, axis=1)
     table = jnp.ones((dec.table_len,), jnp.float32)
     sched_fn = jax.jit(lambda a, act, t: dec._schedule(a, act, r * g, t))
-    t_sched = _median_time(lambda: sched_fn(survival, state.active, table), args.repeats)
+    t_sched = sps_lib.median_seconds(lambda: sched_fn(survival, state.active, table), args.repeats)
     plan = dec._plan(params, state, r * g)
     verify_fn = jax.jit(dec._commit_impl, static_argnums=(3,))  # no donation: reusable state
     verify = {}
     for k in (0, r * g):
         p_k = plan._replace(lengths=jnp.full((r,), k // r, jnp.int32))
-        verify[k] = _median_time(
+        verify[k] = sps_lib.median_seconds(
             lambda p_k=p_k, k=k: verify_fn(params, state, p_k, k), args.repeats
         )
     ratio_verify = verify[r * g] / verify[0]

@@ -17,7 +17,7 @@ Compile only, for 64 chips, and report memory per device (nothing is allocated):
 """
 
 from dspark_jax.config import update_config
-from dspark_jax.train.drafter_task import drafter_default_config
+from dspark_jax.train.drafter_schema import drafter_default_config
 
 
 def get_config(preset: str = "qwen3-8b"):

@@ -8,7 +8,7 @@ with KIND in dspark | dspark_rnn | dflash | eagle3 | mtp1 (default dspark).
 from dspark_jax.config import update_config
 from dspark_jax.models.drafter_config import drafter_kind
 from dspark_jax.testing import smoke_schedule
-from dspark_jax.train.drafter_task import drafter_default_config
+from dspark_jax.train.drafter_schema import drafter_default_config
 
 
 def get_config(kind: str = "dspark"):

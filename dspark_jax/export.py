@@ -18,15 +18,20 @@ import os
 import shutil
 import sys
 
+import flax.linen as nn
+import jax
+import numpy as np
+
 from dspark_jax.train.restore import load_run_config, restore_params
+
+CARD_NAME = "README.md"  # the drafter's model card, and its fields as JSON
+CARD_JSON = "model_card.json"
 
 
 def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat16") -> dict:
     from dspark_jax.convert import save_hf
 
     if load_run_config(workdir).get("task") == "drafter":  # a drafter_io directory + card
-        from dspark_jax.train.drafter_task import export_drafter
-
         return export_drafter(workdir, out, step, dtype)
 
     cfg, model_config, step, params = restore_params(workdir, step)
@@ -40,6 +45,76 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
     shutil.copyfile(tok, dst)
     written.append(dst)
     return {"step": step, "out": os.path.abspath(out), "dtype": dtype, "files": written}
+
+
+def count_params(params) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nn.unbox(params))))
+
+
+def export_drafter(workdir: str, out: str, step: int | None = None, dtype: str = "float32"):
+    """Write a trained drafter as a ``drafter_io`` directory plus a model card."""
+    from dspark_jax.models.drafter_io import save_drafter
+    from dspark_jax.train.trainer import make_task, read_metrics
+
+    cfg, tcfg, step, params = restore_params(workdir, step, tasks=("drafter",))
+    task = make_task(cfg)
+    dc = task.drafter_config
+    tcfg = tcfg.replace(dtype="float32", param_dtype="float32", remat="none")
+    written = save_drafter(out, dc, tcfg, params, dtype=dtype)
+    evals = [m for m in read_metrics(workdir) if m.get("kind") == "eval" and m["step"] <= step]
+    last = evals[-1] if evals else {}
+    card = {
+        "kind": dc.kind,
+        "drafter_config": dc.to_dict(),
+        "parameters": count_params(params),
+        "steps": int(step),
+        "batch_size": cfg.data.batch_size,
+        "seq_len": cfg.data.seq_len,
+        "target": cfg.target.dir,
+        "data": cfg.data.data_dir,
+        "loss": cfg.loss.to_dict(),
+        "heldout": {k: v for k, v in last.items() if k.startswith("heldout")},
+        "heldout_step": last.get("step"),
+        "weights_dtype": dtype,
+    }
+    with open(os.path.join(out, CARD_JSON), "w") as f:
+        json.dump(card, f, indent=2)
+        f.write("\n")
+    written.append(os.path.join(out, CARD_JSON))
+    lines = [
+        f"# {dc.kind} drafter",
+        "",
+        f"- kind: `{dc.kind}`, γ = {dc.gamma}, layers = {dc.num_layers}, taps = {dc.taps}, "
+        f"head = {dc.head}, confidence = {dc.confidence}",
+        f"- parameters: {card['parameters']:,} (trainable; the target's embedding / LM head "
+        "are shared and frozen)",
+        f"- trained: {step} steps x {cfg.data.batch_size} sequences x {cfg.data.seq_len} "
+        f"tokens on `{cfg.data.data_dir}` against `{cfg.target.dir}`",
+        f"- command: `python train.py --config <config> --workdir {workdir}` then "
+        f"`python -m dspark_jax.export --workdir {workdir} --out {out}`",
+        "",
+        f"Held-out teacher-forced acceptance Σ min(p_t, p_d) at T = 1 (step {last.get('step')}):",
+        "",
+        "| k | " + " | ".join(str(k) for k in range(1, dc.draft_len + 1)) + " |",
+        "|---|" + "---|" * dc.draft_len,
+        "| α_k | "
+        + " | ".join(
+            f"{last.get(f'heldout_accept_k{k}', float('nan')):.3f}"
+            for k in range(1, dc.draft_len + 1)
+        )  # fmt: skip
+        + " |",
+        "",
+        f"τ_tf (teacher-forced accepted length) = {last.get('heldout_tau_tf', float('nan')):.3f}",
+    ]
+    if "heldout_conf_ece" in last:
+        lines.append(
+            f"Confidence: BCE {last['heldout_conf_bce']:.4f}, ECE {last['heldout_conf_ece']:.4f}"
+        )
+    with open(os.path.join(out, CARD_NAME), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    written.append(os.path.join(out, CARD_NAME))
+    return {"step": step, "out": os.path.abspath(out), "dtype": dtype, "files": written,
+            "kind": dc.kind, "parameters": card["parameters"]}  # fmt: skip
 
 
 def main(argv=None) -> int:

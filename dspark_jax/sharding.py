@@ -205,3 +205,54 @@ def _rules_for_mesh(mesh: Mesh):
         members = tuple(m for m in members if m in mesh.shape and mesh.shape[m] > 1)
         out.append((name, None if not members else (members[0] if len(members) == 1 else members)))
     return tuple(out)
+
+
+# -- constraints inside jitted code (the drafter training step) ------------------------
+def batch_axes_dividing(n: int) -> tuple[str, ...]:
+    """The batch mesh axes (``data``, ``fsdp``; those of size > 1) of the current mesh when
+    their product divides ``n``, else ``()`` (no mesh, one device, or an uneven split)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+    size = math.prod(mesh.shape[a] for a in axes)
+    return axes if axes and n % size == 0 else ()
+
+
+def batch_constraint(x, axes: tuple[str, ...] | None = None):
+    """Split the leading axis of ``x`` over the batch mesh axes (``axes``, default: those
+    dividing it); a no-op without a mesh. Pins the layout that sharding propagation would
+    otherwise leave open after gathers and reshapes of the batch."""
+    axes = batch_axes_dividing(x.shape[0]) if axes is None else axes
+    if not axes:
+        return x
+    spec = jax.sharding.PartitionSpec(axes, *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def gather_batch_axes(w, names):
+    """``w`` (logical axis ``names``) constrained to its rules-table layout minus the batch
+    axes: an explicit all-gather over data/fsdp that keeps any tensor split (the FSDP
+    gather of a weight before use). A no-op without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return w
+
+    def strip(axis):
+        members = () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+        members = tuple(m for m in members if m not in BATCH_AXES)
+        return None if not members else (members[0] if len(members) == 1 else members)
+
+    spec = logical_to_spec(names, w.shape, mesh)
+    return jax.lax.with_sharding_constraint(w, jax.sharding.PartitionSpec(*map(strip, spec)))
+
+
+def rules_without(axes: tuple[str, ...]):
+    """The active logical-axis rules with the mesh axes ``axes`` removed from every entry
+    (for code vmapped with ``spmd_axis_name=axes``, which already owns those axes)."""
+    out = []
+    for name, axis in nn.get_logical_axis_rules():
+        members = () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+        members = tuple(m for m in members if m not in axes)
+        out.append((name, None if not members else (members[0] if len(members) == 1 else members)))
+    return tuple(out)

@@ -10,12 +10,22 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import sysconfig
+import time
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["one_device_subprocess_env", "smoke_schedule", "stdlib_corpus", "tiny_random_models"]
+__all__ = [
+    "kill_and_resume",
+    "one_device_subprocess_env",
+    "smoke_schedule",
+    "stdlib_corpus",
+    "tiny_random_models",
+]
 
 
 def stdlib_corpus(root, modules, vocab_size: int = 320, **prepare_kwargs) -> tuple[str, str]:
@@ -35,6 +45,63 @@ def stdlib_corpus(root, modules, vocab_size: int = 320, **prepare_kwargs) -> tup
     texts = (r["text"] for r in make_text_dataset(data_dir, TRAIN, shuffle=False))
     tok = train_bpe_tokenizer(texts, vocab_size, out_path=os.path.join(data_dir, "tokenizer.json"))
     return data_dir, str(tok.path)
+
+
+def _train_losses(workdir) -> dict[int, float]:
+    from dspark_jax.train import read_metrics
+
+    return {m["step"]: m["loss"] for m in read_metrics(workdir) if m["kind"] == "train"}
+
+
+def kill_and_resume(
+    repo, config_spec, overrides, root, steps: int, checkpoint_every: int, kill_timeout=120.0
+) -> dict:
+    """The resume-after-kill protocol for ``train.py`` (run from ``repo`` with ``--config
+    config_spec``, the ``(key, value)`` config ``overrides``, ``steps`` and a checkpoint
+    every ``checkpoint_every`` steps, on one CPU device with a shared compilation cache): a
+    reference run to the end under ``root/ref``; a second run under ``root/killed``
+    SIGKILLed as soon as its first checkpoint exists, then started again to the end.
+
+    Returns ``ref_losses`` and ``resumed_losses`` (step -> train loss), ``killed_at`` (the
+    last step the killed run logged) and the resumed run's ``stdout`` / ``stderr``.
+    """
+    env = one_device_subprocess_env(os.path.join(root, "jax_cache"))
+    extra = [f"--config.{k}={v}" for k, v in overrides]
+    extra += [f"--config.train.steps={steps}", f"--config.train.checkpoint_every={checkpoint_every}",
+              "--config.train.eval_every=0"]  # fmt: skip
+
+    def argv(workdir):
+        return [sys.executable, "train.py", "--config", config_spec, "--workdir", workdir,
+                "--no-progress", *extra]  # fmt: skip
+
+    def run(workdir):
+        return subprocess.run(argv(workdir), cwd=repo, env=env, check=True, capture_output=True)
+
+    ref = os.path.join(root, "ref")
+    run(ref)
+    work = os.path.join(root, "killed")
+    proc = subprocess.Popen(
+        argv(work), cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    ckpt_dir = os.path.join(work, "checkpoints")
+    deadline = time.time() + kill_timeout
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.isdir(ckpt_dir) and [d for d in os.listdir(ckpt_dir) if d.isdigit()]:
+            break
+        time.sleep(0.02)
+    if proc.poll() is not None:
+        raise AssertionError("training finished before it could be killed")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed = _train_losses(work)
+    out = run(work)
+    return {
+        "ref_losses": _train_losses(ref),
+        "resumed_losses": _train_losses(work),
+        "killed_at": max(killed, default=0),
+        "stdout": out.stdout.decode(),
+        "stderr": out.stderr.decode(),
+    }
 
 
 def one_device_subprocess_env(compile_cache_dir) -> dict[str, str]:

@@ -14,11 +14,7 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
 import sysconfig
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +22,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.config import ConfigError, load_config
-from dspark_jax.testing import one_device_subprocess_env
+from dspark_jax.testing import kill_and_resume
 from dspark_jax.train import anchors as A
 from dspark_jax.train import read_metrics, train
 
@@ -333,45 +329,16 @@ def test_config_errors(env, tmp_path):
 
 
 # -- kill and resume ----------------------------------------------------------------------
-def _cli(cfg_spec, workdir, *extra):
-    return [sys.executable, "train.py", "--config", cfg_spec, "--workdir", workdir,
-            "--no-progress", *extra]  # fmt: skip
-
-
 @pytest.mark.slow
 def test_kill_and_resume_replays_the_same_losses(env, tmp_path):
-    env_vars = one_device_subprocess_env(tmp_path / "jax_cache")
     steps = 60
-    extra = [f"--config.{k}={v}" for k, v in _overrides(env)]
-    extra += [f"--config.train.steps={steps}", "--config.train.checkpoint_every=15",
-              "--config.train.eval_every=0"]  # fmt: skip
     spec = f"{TINY}:dspark"
-    ref = str(tmp_path / "ref")
-    subprocess.run(_cli(spec, ref, *extra), cwd=REPO, env=env_vars, check=True,
-                   capture_output=True)  # fmt: skip
-    ref_losses = _losses(ref)
-    assert sorted(ref_losses) == list(range(1, steps + 1))
-
-    work = str(tmp_path / "killed")
-    proc = subprocess.Popen(_cli(spec, work, *extra), cwd=REPO, env=env_vars,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    ckpt_dir = os.path.join(work, "checkpoints")
-    deadline = time.time() + 180
-    while time.time() < deadline and proc.poll() is None:
-        if os.path.isdir(ckpt_dir) and [d for d in os.listdir(ckpt_dir) if d.isdigit()]:
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, "training finished before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = max((m["step"] for m in read_metrics(work)), default=0)
-    assert killed_at < steps
-
-    out = subprocess.run(_cli(spec, work, *extra), cwd=REPO, env=env_vars, check=True,
-                         capture_output=True)  # fmt: skip
-    assert '"resumed": true' in out.stdout.decode()
-    assert re.search(rf"resumed from step \d+ of {steps} \(checkpoint in ", out.stderr.decode())
-    resumed = _losses(work)
+    run = kill_and_resume(REPO, spec, _overrides(env), str(tmp_path), steps, 15, kill_timeout=180)
+    assert sorted(run["ref_losses"]) == list(range(1, steps + 1))
+    assert run["killed_at"] < steps
+    assert '"resumed": true' in run["stdout"]
+    assert re.search(rf"resumed from step \d+ of {steps} \(checkpoint in ", run["stderr"])
+    resumed, ref_losses = run["resumed_losses"], run["ref_losses"]
     assert sorted(resumed) == list(range(1, steps + 1))
     for s in range(1, steps + 1):
         assert resumed[s] == ref_losses[s], (s, resumed[s], ref_losses[s])

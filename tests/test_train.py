@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
 import pytest
 
 from dspark_jax.config import ConfigError, load_config
-from dspark_jax.testing import one_device_subprocess_env, stdlib_corpus
+from dspark_jax.testing import kill_and_resume, stdlib_corpus
 from dspark_jax.train import read_metrics, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,46 +71,15 @@ def test_loss_decreases_and_sharded_run_matches(corpus, one_device_run, tmp_path
     np.testing.assert_allclose(a, b, rtol=0, atol=2e-3)
 
 
-def _cli(workdir, *extra):
-    return [sys.executable, "train.py", "--config", TINY, "--workdir", workdir,
-            "--no-progress", *extra]  # fmt: skip
-
-
 def test_kill_and_resume_replays_the_same_losses(corpus, tmp_path):
     # One CPU device (sharded equivalence is tested above); the three processes share
     # compiled steps (same program, same binary).
-    env = one_device_subprocess_env(tmp_path / "jax_cache")
     steps = 100
-    extra = [f"--config.{k}={v}" for k, v in _overrides(corpus)]
-    extra += [f"--config.train.steps={steps}", "--config.train.checkpoint_every=25",
-              "--config.train.eval_every=0"]  # fmt: skip
-
-    ref = str(tmp_path / "ref")
-    subprocess.run(_cli(ref, *extra), cwd=REPO, env=env, check=True, capture_output=True)
-    ref_losses = _losses(ref)
-    assert sorted(ref_losses) == list(range(1, steps + 1))
-
-    work = str(tmp_path / "killed")
-    proc = subprocess.Popen(
-        _cli(work, *extra), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    ckpt_dir = os.path.join(work, "checkpoints")
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        done = [d for d in os.listdir(ckpt_dir) if d.isdigit()] if os.path.isdir(ckpt_dir) else []
-        if done:
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, "training finished before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = max(m["step"] for m in read_metrics(work)) if read_metrics(work) else 0
-    assert killed_at < steps
-
-    out = subprocess.run(_cli(work, *extra), cwd=REPO, env=env, check=True, capture_output=True)
-    assert '"resumed": true' in out.stdout.decode()
-    resumed = _losses(work)
+    run = kill_and_resume(REPO, TINY, _overrides(corpus), str(tmp_path), steps, 25)
+    assert sorted(run["ref_losses"]) == list(range(1, steps + 1))
+    assert run["killed_at"] < steps
+    assert '"resumed": true' in run["stdout"]
+    resumed, ref_losses = run["resumed_losses"], run["ref_losses"]
     assert sorted(resumed) == list(range(1, steps + 1))
     for s in range(1, steps + 1):
         assert resumed[s] == ref_losses[s], (s, resumed[s], ref_losses[s])

@@ -553,18 +553,9 @@ def make_distill_dataset(
     )
 
 
-def make_distill_batches(
-    data_dir: str | os.PathLike,
-    split: str,
-    seq_len: int,
-    batch_size: int,
-    seed: int,
-    shard_index: int = 0,
-    shard_count: int = 1,
-    num_epochs: int | None = None,
-    **kwargs,
-) -> grain.DatasetIterator:
-    """Checkpointable iterator (``get_state/set_state``) of fixed-shape numpy batches.
+def make_distill_batches(*args, **kwargs) -> grain.DatasetIterator:
+    """``iter(make_distill_dataset(...))`` (same arguments): a checkpointable iterator
+    (``get_state/set_state``) of fixed-shape numpy batches.
 
     ``tokens [B, seq_len]`` int32: one sequence per row, truncated to ``seq_len`` and
     right-padded with the tokenizer's pad id; ``loss_mask [B, seq_len]`` int32: 1 where the
@@ -572,12 +563,7 @@ def make_distill_batches(
     ``length [B]`` int32: real tokens per row. ``num_epochs=None`` repeats forever; a finite
     value ends with a last batch padded by empty rows (``length`` 0).
     """
-    return iter(
-        make_distill_dataset(
-            data_dir, split, seq_len, batch_size, seed, shard_index, shard_count,
-            num_epochs, **kwargs,
-        )
-    )  # fmt: skip
+    return iter(make_distill_dataset(*args, **kwargs))
 
 
 # ----------------------------------------------------------------------------------------

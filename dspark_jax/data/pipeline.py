@@ -101,27 +101,12 @@ def read_batches(
     return batched.map(functools.partial(pad_batch, batch_size=batch_size, pad_id=pad_id))
 
 
-def make_packed_batches(
-    data_dir: str | os.PathLike,
-    split: str,
-    tokenizer: Tokenizer | str | os.PathLike,
-    seq_len: int,
-    batch_size: int,
-    seed: int,
-    shard_index: int = 0,
-    shard_count: int = 1,
-    num_epochs: int | None = None,
-    **kwargs,
-) -> grain.DatasetIterator:
-    """Iterator of ``{"tokens", "targets", "segment_ids", "positions", "loss_mask"}``, each
-    ``int32 [batch_size, seq_len]`` (layout in :mod:`dspark_jax.data.packing`).
+def make_packed_batches(*args, **kwargs) -> grain.DatasetIterator:
+    """``iter(make_packed_dataset(...))`` (same arguments): an iterator of ``{"tokens",
+    "targets", "segment_ids", "positions", "loss_mask"}``, each ``int32 [batch_size,
+    seq_len]`` (layout in :mod:`dspark_jax.data.packing`), with ``get_state/set_state``.
 
     Deterministic given ``seed``; ``shard_index/shard_count`` select this host's disjoint
     share of the records (e.g. ``jax.process_index()/jax.process_count()``).
     """
-    return iter(
-        make_packed_dataset(
-            data_dir, split, tokenizer, seq_len, batch_size, seed,
-            shard_index, shard_count, num_epochs, **kwargs,
-        )
-    )  # fmt: skip
+    return iter(make_packed_dataset(*args, **kwargs))

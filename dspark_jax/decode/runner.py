@@ -83,13 +83,9 @@ class Runner:
         self.record_details = record_details
         self.seed = seed
 
-    @property
-    def buckets(self) -> tuple[int, ...]:
-        return self.policy.buckets
-
-    @property
-    def two_phase(self) -> bool:
-        return self.policy.two_phase
+    # Read-only views of the round policy.
+    buckets = property(lambda self: self.policy.buckets)
+    two_phase = property(lambda self: self.policy.two_phase)
 
     def warmup(self, prompt_buckets: Sequence[int] = ()) -> None:
         """Compile every verify bucket (and the given prompt buckets) before timing."""

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SPSTable", "cache_key", "load_or_profile", "profile_sps"]
+__all__ = ["SPSTable", "cache_key", "load_or_profile", "median_seconds", "profile_sps"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,19 @@ class SPSTable:
             raise ValueError(f"malformed SPS table entry {obj!r}: {e}") from e
 
 
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn()`` (its outputs waited for) over ``repeats`` calls, after
+    ``warmup`` untimed calls (compilation, caches)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def profile_sps(
     step_fn_by_budget: Mapping[int, Callable[[], Any]],
     repeats: int = 5,
@@ -112,14 +125,7 @@ def profile_sps(
             progress(int(b), i, len(items))
         if not callable(fn):
             raise ValueError(f"step_fn_by_budget[{b}] is not callable: {fn!r}")
-        for _ in range(warmup):
-            jax.block_until_ready(fn())
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - t0)
-        seconds[int(b)] = max(statistics.median(times), 1e-9)
+        seconds[int(b)] = max(median_seconds(fn, repeats, warmup), 1e-9)
     return SPSTable.from_seconds(seconds)
 
 

@@ -132,25 +132,12 @@ class Engine(Service):
         self._state = None
 
     # -- shapes, warm-up, profiling (serve/compilation.py) --------------------------------
-    @property
-    def verify_buckets(self) -> tuple[int, ...]:
-        return self.policy.buckets
-
-    @property
-    def two_phase(self) -> bool:
-        return self.policy.two_phase
-
-    @property
-    def prompt_buckets(self) -> tuple[int, ...]:
-        return self.shapes.prompt_buckets
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        return self.shapes.max_prompt_tokens
-
-    @property
-    def prefill_rows(self) -> tuple[int, ...]:
-        return self.shapes.prefill_rows
+    # Read-only views of the round policy and the compiled shapes.
+    verify_buckets = property(lambda self: self.policy.buckets)
+    two_phase = property(lambda self: self.policy.two_phase)
+    prompt_buckets = property(lambda self: self.shapes.prompt_buckets)
+    max_prompt_tokens = property(lambda self: self.shapes.max_prompt_tokens)
+    prefill_rows = property(lambda self: self.shapes.prefill_rows)
 
     @property
     def compilations_after_warmup(self) -> int:

@@ -15,7 +15,7 @@ tied embeddings) on its self-distillation data in ``data/distill``.
 from __future__ import annotations
 
 from dspark_jax.config import update_config
-from dspark_jax.train.drafter_task import drafter_default_config
+from dspark_jax.train.drafter_schema import drafter_default_config
 
 # 400 steps x 8 sequences x 384 tokens (128-token prompt + 256 generated) = 1.2M tokens,
 # about two epochs of the 1536 distilled training prompts. 100 steps (the first bundled

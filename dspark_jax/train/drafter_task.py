@@ -30,7 +30,6 @@ the quantity the head is trained to predict.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 from typing import Any
@@ -38,184 +37,23 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from dspark_jax import sharding as shd
-from dspark_jax.config import CHOICES, VALIDATORS, ConfigDict, ConfigError
+from dspark_jax.config import ConfigError
 from dspark_jax.models.drafter_config import (
-    HEAD_INITS,
-    HEADS,
-    KINDS,
     DrafterConfig,
     drafter_kind,
 )
-from dspark_jax.models.qwen3 import REMAT_POLICIES, Qwen3, Qwen3Config
+from dspark_jax.models.qwen3 import Qwen3, Qwen3Config
 from dspark_jax.train import anchors as A
 from dspark_jax.train import drafter_losses as L
-from dspark_jax.train.trainer import Task, default_config, fixed_eval_batches, register_task
+from dspark_jax.train.drafter_schema import loss_alphas
+from dspark_jax.train.trainer import Task, fixed_eval_batches, register_task
 
 # Held-out anchors come from this constant key (not the training RNG): identical blocks at
 # every evaluation and for every drafter kind evaluated on the same data.
 EVAL_ANCHOR_SEED = 1234
-# Per-kind default loss weights (DESIGN §4): DSpark 0.1 CE + 0.9 L1 + 1.0 confidence BCE;
-# DFlash CE only (DeepSpec's DFlash baseline).
-DEFAULT_ALPHAS = {"dspark": (0.1, 0.9, 1.0), "dflash": (1.0, 0.0, 0.0)}
-CARD_NAME = "README.md"
-CARD_JSON = "model_card.json"
-
-
-# ----------------------------------------------------------------------------------------
-# Config
-# ----------------------------------------------------------------------------------------
-def _positive(name):
-    def check(v):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
-
-    return check
-
-
-def _non_negative_or_none(name):
-    def check(v):
-        if v is not None and (not isinstance(v, (int, float)) or v < 0):
-            raise ValueError(f"{name} must be a number >= 0 (or None for the kind's default)")
-
-    return check
-
-
-def _decay_check(v):
-    if not isinstance(v, (int, float)) or v <= 0:
-        raise ValueError(f"loss.decay must be > 0, got {v!r}")
-
-
-def _step_weight_check(v):
-    if not isinstance(v, (int, float)) or not 0 < v <= 1:
-        raise ValueError(f"loss.eagle3_step_weight must be in (0, 1], got {v!r}")
-
-
-CHOICES["drafter.kind"] = list(KINDS)
-CHOICES["drafter.head"] = list(HEADS) + [None]
-CHOICES["drafter.head_init"] = list(HEAD_INITS)
-CHOICES["target.dtype"] = ["float32", "bfloat16"]
-CHOICES["drafter.sequence_positions"] = ["all", "anchors"]
-CHOICES["drafter.remat"] = list(REMAT_POLICIES)
-for _key in ("drafter.gamma", "drafter.anchors_per_seq", "drafter.eval_anchors_per_seq",
-             "drafter.pack_sequences"):  # fmt: skip
-    VALIDATORS[_key] = _positive(_key)
-for _key in ("loss.alpha_ce", "loss.alpha_tv", "loss.alpha_conf"):
-    VALIDATORS[_key] = _non_negative_or_none(_key)
-VALIDATORS["loss.decay"] = _decay_check
-VALIDATORS["loss.eagle3_step_weight"] = _step_weight_check
-
-
-def drafter_default_config(kind: str = "dspark") -> ConfigDict:
-    """Every key of a drafter run with DESIGN §4 defaults; ``configs/drafter_*.py`` fill it."""
-    cfg = default_config()
-    del cfg["model"]  # the trained model is the drafter; the target comes from target.dir
-    cfg.task = "drafter"
-    cfg.drafter = ml_collections.ConfigDict(
-        {
-            "kind": kind,
-            "gamma": 1 if drafter_kind(kind).single_token else 7,
-            "num_layers": None,  # None = per-kind default (5 dspark/dflash, 1 eagle3/mtp1)
-            "taps": None,  # None = per-kind default taps of the target
-            "head": None,  # dspark: markov (default) | gated | rnn | none
-            "markov_rank": 256,
-            "rnn_rank": 256,
-            # "deepspec": W1, W2 ~ N(0, 0.02); "zero_bias": W1 ~ N(0, 1), W2 = 0 (learns a
-            # bigram bias within short budgets; models/drafter_config.py).
-            "head_init": "deepspec",
-            "confidence": None,  # None = on for dspark only
-            "confidence_with_prev": True,
-            "mask_token": "<|mask|>",  # name in the target tokenizer (dspark/dflash)
-            "anchors_per_seq": 32,  # N: anchors sampled per sequence and step
-            "eval_anchors_per_seq": 32,
-            "pack_sequences": 1,  # sequences sharing one packed attention call
-            # EAGLE-3 / MTP-1 loss positions: "all" eligible positions, or the sampled
-            # "anchors" only (LM head only there; same labels per step as DSpark).
-            "sequence_positions": "all",
-            # Gradient checkpointing of each draft layer (DSpark/DFlash backbone):
-            # "none" | "full" | "dots" (qwen3.REMAT_POLICIES). Same values, less memory.
-            "remat": "none",
-        }
-    )
-    # preset: the target's shape for --aot when ``dir`` holds no model (e.g. qwen3-8b).
-    cfg.target = ml_collections.ConfigDict(
-        {"dir": "assets/target", "dtype": "float32", "preset": ""}
-    )
-    cfg.data.data_dir = "data/distill"
-    cfg.data.tokenizer = ""  # "" = <target.dir>/tokenizer.json
-    cfg.loss = ml_collections.ConfigDict(
-        {
-            "decay": 4.0,
-            "alpha_ce": None,  # None = the kind's default (DEFAULT_ALPHAS)
-            "alpha_tv": None,
-            "alpha_conf": None,
-            "eagle3_step_weight": 0.8,
-        }
-    )
-    return cfg
-
-
-def _alphas(cfg: ConfigDict) -> tuple[float, float, float]:
-    kind = cfg.drafter.kind
-    base = DEFAULT_ALPHAS.get(kind, (0.0, 0.0, 0.0))
-    given = (cfg.loss.alpha_ce, cfg.loss.alpha_tv, cfg.loss.alpha_conf)
-    return tuple(float(b if g is None else g) for g, b in zip(given, base))
-
-
-# ----------------------------------------------------------------------------------------
-# Batch sharding of the drafter's activations
-# ----------------------------------------------------------------------------------------
-def _batch_axes_dividing(n: int) -> tuple[str, ...]:
-    """The batch mesh axes (``data``, ``fsdp``; those of size > 1) of the current mesh when
-    their product divides ``n``, else ``()`` (no mesh, one device, or an uneven split)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return ()
-    axes = tuple(a for a in shd.BATCH_AXES if mesh.shape.get(a, 1) > 1)
-    size = math.prod(mesh.shape[a] for a in axes)
-    return axes if axes and n % size == 0 else ()
-
-
-def _batch_constraint(x, axes: tuple[str, ...] | None = None):
-    """Split the leading axis of ``x`` over the batch mesh axes (``axes``, default: those
-    dividing it); a no-op without a mesh. Pins the layout that sharding propagation would
-    otherwise leave open after gathers and reshapes of the batch."""
-    axes = _batch_axes_dividing(x.shape[0]) if axes is None else axes
-    if not axes:
-        return x
-    spec = jax.sharding.PartitionSpec(axes, *([None] * (x.ndim - 1)))
-    return jax.lax.with_sharding_constraint(x, spec)
-
-
-def _gather_batch_axes(w, names):
-    """``w`` (logical axis ``names``) constrained to its rules-table layout minus the batch
-    axes: an explicit all-gather over data/fsdp that keeps any tensor split (the FSDP
-    gather of a weight before use). A no-op without a mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return w
-
-    def strip(axis):
-        members = () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
-        members = tuple(m for m in members if m not in shd.BATCH_AXES)
-        return None if not members else (members[0] if len(members) == 1 else members)
-
-    spec = shd.logical_to_spec(names, w.shape, mesh)
-    return jax.lax.with_sharding_constraint(w, jax.sharding.PartitionSpec(*map(strip, spec)))
-
-
-def _rules_without(axes: tuple[str, ...]):
-    """The active logical-axis rules with the mesh axes ``axes`` removed from every entry
-    (for code vmapped with ``spmd_axis_name=axes``, which already owns those axes)."""
-    out = []
-    for name, axis in nn.get_logical_axis_rules():
-        members = () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
-        members = tuple(m for m in members if m not in axes)
-        out.append((name, None if not members else (members[0] if len(members) == 1 else members)))
-    return tuple(out)
 
 
 # ----------------------------------------------------------------------------------------
@@ -326,7 +164,7 @@ class DrafterTask(Task):
                 f"data.batch_size = {cfg.data.batch_size} is not divisible by "
                 f"drafter.pack_sequences = {d.pack_sequences}"
             )
-        _, _, a_conf = _alphas(cfg)
+        _, _, a_conf = loss_alphas(cfg)
         if a_conf > 0 and not dc.has_confidence:
             raise ValueError(
                 f"loss.alpha_conf = {a_conf} but drafter kind {dc.kind!r} has no confidence "
@@ -428,10 +266,10 @@ class DrafterTask(Task):
         frozen = dict(frozen)
         if "lm_head" in frozen:
             k = frozen["lm_head"]["kernel"]
-            frozen["lm_head"] = {"kernel": _gather_batch_axes(k, ("embed", "vocab"))}
+            frozen["lm_head"] = {"kernel": shd.gather_batch_axes(k, ("embed", "vocab"))}
         else:
             e = frozen["embed_tokens"]["embedding"]
-            frozen["embed_tokens"] = {"embedding": _gather_batch_axes(e, ("vocab", "embed"))}
+            frozen["embed_tokens"] = {"embedding": shd.gather_batch_axes(e, ("vocab", "embed"))}
         return lambda h: target.apply({"params": frozen}, h, method="logits_from_hidden")
 
     def _embed(self, frozen):
@@ -451,8 +289,8 @@ class DrafterTask(Task):
         n, g = packed.labels.shape
         pos = jnp.minimum(packed.label_pos - 1, t - 1).reshape(b, (n // b) * g)
         rows = jnp.take_along_axis(h, pos[..., None], axis=1).reshape(n, g, h.shape[-1])
-        rows = _batch_constraint(rows)
-        return _batch_constraint(jax.lax.stop_gradient(self._lm_head(frozen)(rows)))
+        rows = shd.batch_constraint(rows)
+        return shd.batch_constraint(jax.lax.stop_gradient(self._lm_head(frozen)(rows)))
 
     def _gather_head_factors(self, params):
         """``params`` with the sequential head's factors (Markov W1 ``[V, r]``, W2
@@ -469,7 +307,7 @@ class DrafterTask(Task):
             boxed = jax.eval_shape(lambda k: init_drafter_params(self.module(), k),
                                    jax.random.key(0))  # fmt: skip
             self._head_names = shd.logical_names_of(boxed)["markov_head"]
-        head = jax.tree.map(_gather_batch_axes, params["markov_head"], self._head_names)
+        head = jax.tree.map(shd.gather_batch_axes, params["markov_head"], self._head_names)
         return dict(params, markov_head=head)
 
     def _block_forward(self, params, frozen, feats, ctx_valid, packed: A.PackedBlocks):
@@ -492,10 +330,10 @@ class DrafterTask(Task):
         grouped = A.group_blocks(packed, b, g)
         module, embed, lm_head = self.module(), self._embed(frozen), self._lm_head(frozen)
         params = self._gather_head_factors(params)
-        axes = _batch_axes_dividing(g)
+        axes = shd.batch_axes_dividing(g)
 
         def one(fe, va, bt, bs, ap):
-            with nn.logical_axis_rules(_rules_without(axes)):
+            with nn.logical_axis_rules(shd.rules_without(axes)):
                 return module.apply(
                     {"params": params}, fe, va, bt, bs, ap, embed, lm_head,
                     method="train_forward",
@@ -508,11 +346,11 @@ class DrafterTask(Task):
             grouped.block_seq,
             grouped.anchor_pos,
         )
-        ins = tuple(_batch_constraint(x, axes) for x in ins)
+        ins = tuple(shd.batch_constraint(x, axes) for x in ins)
         logits, conf = jax.vmap(one, spmd_axis_name=axes or None)(*ins)
         n = packed.block_seq.shape[0]
-        logits = _batch_constraint(logits.reshape((n,) + logits.shape[2:]))
-        conf = None if conf is None else _batch_constraint(conf.reshape(n, -1))
+        logits = shd.batch_constraint(logits.reshape((n,) + logits.shape[2:]))
+        conf = None if conf is None else shd.batch_constraint(conf.reshape(n, -1))
         return logits, conf
 
     def _sequence_forward(self, params, frozen, feats, tokens, valid):
@@ -589,7 +427,7 @@ class DrafterTask(Task):
 
     # -- losses --------------------------------------------------------------------------
     def _block_loss(self, params, frozen, feats, h, batch, packed):
-        a_ce, a_tv, a_conf = _alphas(self.cfg)
+        a_ce, a_tv, a_conf = loss_alphas(self.cfg)
         t = batch["tokens"].shape[1]
         ctx_valid = jnp.arange(t)[None, :] < batch["length"][:, None]
         logits, conf = self._block_forward(params, frozen, feats, ctx_valid, packed)
@@ -716,84 +554,4 @@ class DrafterTask(Task):
 register_task("drafter", "dspark_jax.train.drafter_task:DrafterTask")
 
 
-# ----------------------------------------------------------------------------------------
-# Export
-# ----------------------------------------------------------------------------------------
-def count_params(params) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nn.unbox(params))))
-
-
-def export_drafter(workdir: str, out: str, step: int | None = None, dtype: str = "float32"):
-    """Write a trained drafter as a ``drafter_io`` directory plus a model card."""
-    from dspark_jax.models.drafter_io import save_drafter
-    from dspark_jax.train.restore import restore_params
-    from dspark_jax.train.trainer import make_task, read_metrics
-
-    cfg, tcfg, step, params = restore_params(workdir, step, tasks=("drafter",))
-    task = make_task(cfg)
-    dc = task.drafter_config
-    tcfg = tcfg.replace(dtype="float32", param_dtype="float32", remat="none")
-    written = save_drafter(out, dc, tcfg, params, dtype=dtype)
-    evals = [m for m in read_metrics(workdir) if m.get("kind") == "eval" and m["step"] <= step]
-    last = evals[-1] if evals else {}
-    card = {
-        "kind": dc.kind,
-        "drafter_config": dc.to_dict(),
-        "parameters": count_params(params),
-        "steps": int(step),
-        "batch_size": cfg.data.batch_size,
-        "seq_len": cfg.data.seq_len,
-        "target": cfg.target.dir,
-        "data": cfg.data.data_dir,
-        "loss": cfg.loss.to_dict(),
-        "heldout": {k: v for k, v in last.items() if k.startswith("heldout")},
-        "heldout_step": last.get("step"),
-        "weights_dtype": dtype,
-    }
-    with open(os.path.join(out, CARD_JSON), "w") as f:
-        json.dump(card, f, indent=2)
-        f.write("\n")
-    written.append(os.path.join(out, CARD_JSON))
-    lines = [
-        f"# {dc.kind} drafter",
-        "",
-        f"- kind: `{dc.kind}`, γ = {dc.gamma}, layers = {dc.num_layers}, taps = {dc.taps}, "
-        f"head = {dc.head}, confidence = {dc.confidence}",
-        f"- parameters: {card['parameters']:,} (trainable; the target's embedding / LM head "
-        "are shared and frozen)",
-        f"- trained: {step} steps x {cfg.data.batch_size} sequences x {cfg.data.seq_len} "
-        f"tokens on `{cfg.data.data_dir}` against `{cfg.target.dir}`",
-        f"- command: `python train.py --config <config> --workdir {workdir}` then "
-        f"`python -m dspark_jax.export --workdir {workdir} --out {out}`",
-        "",
-        f"Held-out teacher-forced acceptance Σ min(p_t, p_d) at T = 1 (step {last.get('step')}):",
-        "",
-        "| k | " + " | ".join(str(k) for k in range(1, dc.draft_len + 1)) + " |",
-        "|---|" + "---|" * dc.draft_len,
-        "| α_k | "
-        + " | ".join(
-            f"{last.get(f'heldout_accept_k{k}', float('nan')):.3f}"
-            for k in range(1, dc.draft_len + 1)
-        )  # fmt: skip
-        + " |",
-        "",
-        f"τ_tf (teacher-forced accepted length) = {last.get('heldout_tau_tf', float('nan')):.3f}",
-    ]
-    if "heldout_conf_ece" in last:
-        lines.append(
-            f"Confidence: BCE {last['heldout_conf_bce']:.4f}, ECE {last['heldout_conf_ece']:.4f}"
-        )
-    with open(os.path.join(out, CARD_NAME), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    written.append(os.path.join(out, CARD_NAME))
-    return {"step": step, "out": os.path.abspath(out), "dtype": dtype, "files": written,
-            "kind": dc.kind, "parameters": card["parameters"]}  # fmt: skip
-
-
-__all__ = [
-    "DEFAULT_ALPHAS",
-    "DrafterTask",
-    "count_params",
-    "drafter_default_config",
-    "export_drafter",
-]
+__all__ = ["DrafterTask"]
