@@ -5,7 +5,8 @@
     python serve.py --scheduler prefix --slots 16 --port 8080
     python serve.py --demo                # no speculation vs DSpark, greedy and T = 1
 
-Endpoints: POST /v1/completions (stream=true for SSE), GET /v1/models, GET /health (503
+Endpoints: POST /v1/completions and /v1/chat/completions (the target's chat template;
+stream=true for SSE), GET /v1/models, GET /health (503
 "starting" while the engine compiles at start-up), GET /metrics. SIGTERM/Ctrl-C drains
 in-flight requests, then exits (status 0 after a SIGTERM drain). Bad arguments print
 "error: ..." and exit with status 2.
@@ -64,6 +65,15 @@ def parse_args(argv=None):
         "--sps-cache",
         default=None,
         help="SPS profile cache (JSON; default ~/.cache/dspark_jax/sps.json)",
+    )
+    p.add_argument(
+        "--compile-cache",
+        default=None,
+        help="JAX persistent compilation cache directory, so a restart does not compile "
+        "again (default ~/.cache/dspark_jax/jax_cache)",
+    )
+    p.add_argument(
+        "--no-compile-cache", action="store_true", help="compile every shape at every start"
     )
     p.add_argument("--demo", action="store_true", help="side-by-side demo, then exit")
     p.add_argument("--demo-prompts", type=int, default=4, help="number of demo prompts")
@@ -186,6 +196,7 @@ def demo(args) -> int:
     from dspark_jax.serve.engine import SamplingParams, load_models
 
     drafter_dir = _check_paths(args)
+    use_compile_cache(args)
     if drafter_dir is None:
         raise ValueError("--demo compares no speculation with DSpark; give a --drafter directory")
     prompt_file = find_demo_prompts(args.demo_prompts_file)
@@ -278,12 +289,25 @@ def demo(args) -> int:
     return 0 if same == len(prompts) else 1
 
 
+def use_compile_cache(args) -> None:
+    """JAX's persistent compilation cache, unless ``--no-compile-cache``."""
+    if args.no_compile_cache:
+        return
+    from dspark_jax.compile_cache import enable_compile_cache
+
+    path = enable_compile_cache(args.compile_cache)
+    print(f"compilation cache: {path} (--no-compile-cache to disable)", file=sys.stderr)
+
+
 def serve(args) -> int:
+    from dspark_jax.serve.chat import load_chat_template
     from dspark_jax.serve.server import create_app, make_server
 
     drafter_dir = _check_paths(args)
+    use_compile_cache(args)
     engine = build_engine(args, drafter_dir, args.scheduler)
-    app = create_app(engine)
+    template = load_chat_template(args.target)
+    app = create_app(engine, chat_template=template)
     server = make_server(app, args.host, args.port)
     print(
         f"serving {engine.config.model_name} on http://{args.host}:{args.port}: warming up "

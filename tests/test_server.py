@@ -17,8 +17,9 @@ import pytest
 
 from dspark_jax.data.tokenizer_train import train_bpe_tokenizer
 from dspark_jax.decode.autoregressive import generate
-from dspark_jax.serve.engine import Engine, EngineConfig
-from dspark_jax.serve.server import BackgroundServer, create_app
+from dspark_jax.serve.chat import ChatTemplate, load_chat_template
+from dspark_jax.serve.engine import Engine, EngineConfig, SamplingParams
+from dspark_jax.serve.server import APIError, BackgroundServer, create_app, parse_chat_request
 from dspark_jax.testing import tiny_random_models
 
 MAX_LEN = 32
@@ -26,6 +27,9 @@ MODEL = "tiny-dspark"
 TEXTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i * i)\n"] * 20
 PROMPTS = ["def add(a, b):", "for i in range", "print(i", "return a"]
 N_NEW = 8
+# The bundled target's template (assets/target/tokenizer_config.json): turns as comments.
+CHAT = load_chat_template(os.path.join(os.path.dirname(__file__), "..", "assets", "target"))
+MESSAGES = [{"role": "system", "content": "helpers"}, {"role": "user", "content": "def add(a, b):"}]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +46,7 @@ def served(tmp_path_factory):
         model_name=MODEL,
     )
     engine = Engine(target, tp, tok, drafter, dp, cfg).start()
-    server = BackgroundServer(create_app(engine)).start()
+    server = BackgroundServer(create_app(engine, chat_template=CHAT)).start()
     ids = [tok.encode(p) for p in PROMPTS]
     ref = generate(target, tp, ids, N_NEW, eos_id=tok.eos_id, max_len=MAX_LEN)
     want = {
@@ -99,7 +103,25 @@ BAD = [
     ({"prompt": "x", "n": 2}, 400, "n", "n must be 1"),
     ({"prompt": "def " * 40}, 400, "prompt", "at most 30 tokens"),
     ({"prompt": "x", "model": "gpt-9"}, 404, "model", "does not exist"),
+    # Fields this server does not implement are named, never ignored.
+    ({"prompt": "x", "logprobs": 2}, 400, "logprobs", "unsupported field(s) logprobs"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix", "unsupported field(s) suffix"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", "only 0"),
 ]
+BAD_CHAT = [
+    ({"max_tokens": 4}, 400, "messages", "messages is required"),
+    ({"messages": []}, 400, "messages", "non-empty list"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "one of"),
+    ({"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content", "string"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content", "only text parts"),
+    ({"messages": MESSAGES, "tools": []}, 400, "tools", "unsupported field(s) tools"),
+    ({"messages": MESSAGES, "max_tokens": 2, "max_completion_tokens": 2}, 400, "max_tokens",
+     "not both"),
+    ({"messages": MESSAGES, "chat_template_kwargs": [1]}, 400, "chat_template_kwargs", "object"),
+    ({"messages": MESSAGES, "chat_template_kwargs": {"messages": []}}, 400,
+     "chat_template_kwargs", "may not set messages"),
+]  # fmt: skip
 
 
 def test_bad_input_gets_4xx_naming_the_field(served):
@@ -120,6 +142,102 @@ def test_bad_input_gets_4xx_naming_the_field(served):
             "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": N_NEW, "temperature": 0}
         )
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want[PROMPTS[1]][0]
+
+
+def test_chat_completions_through_the_openai_client(served):
+    """Messages rendered with the template, then the same engine path as a completion: the
+    greedy reply equals the completion of the rendered prompt; streamed chunks carry the
+    assistant role first and join to the same text."""
+    server, engine, _ = served
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    prompt = CHAT.render(MESSAGES)
+    assert prompt == "# helpers\n# def add(a, b):\n"
+    ref = engine.generate(prompt, SamplingParams(max_tokens=N_NEW, temperature=0.0))
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=N_NEW, temperature=0
+    )
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == ref.prompt_tokens
+    assert r.usage.completion_tokens == ref.completion_tokens
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_completion_tokens=N_NEW, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens == ref.completion_tokens
+    # No max_tokens: the reply may run to the end of the request's cache row.
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0)
+    assert r.usage.prompt_tokens + r.usage.completion_tokens <= MAX_LEN
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        for body, status, param, msg in BAD_CHAT:
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == status, (body, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and msg in err["message"], (body, err)
+
+
+def test_chat_without_a_template_is_a_400_naming_it():
+    with pytest.raises(APIError) as e:
+        parse_chat_request({"messages": MESSAGES}, MODEL, None)
+    assert e.value.status == 400 and "no chat template" in e.value.message
+    assert "tokenizer_config.json" in e.value.message
+
+
+# A Qwen3-style template (ChatML turns, enable_thinking off => an empty think block) and a
+# template that rejects a conversation with raise_exception.
+CHATML = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"
+)
+STRICT = (
+    "{%- if messages[0].role != 'user' %}{{ raise_exception('the first turn must be the "
+    "user') }}{%- endif %}{{ messages[0].content | tojson }}"
+)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
+def test_chat_template_renders_as_transformers_does(tmp_path, kwargs):
+    from transformers import AutoTokenizer
+
+    tok = train_bpe_tokenizer(TEXTS, vocab_size=300, out_path=tmp_path / "tokenizer.json")
+    config = {"eos_token": tok.eos_token, "chat_template": CHATML}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = load_chat_template(tmp_path)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path))
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Sum 2 + 2\nthen stop"},
+    ]
+    want = theirs.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs)
+    assert ours.render(msgs, True, kwargs) == want
+    # The bundled target's template too.
+    bundled = os.path.join(os.path.dirname(__file__), "..", "assets", "target")
+    theirs = AutoTokenizer.from_pretrained(bundled)
+    want = theirs.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert CHAT.render(msgs) == want
+
+
+def test_chat_template_errors_become_400s():
+    from dspark_jax.serve.requests import InvalidRequest
+
+    strict = ChatTemplate(STRICT, "test")
+    assert strict.render([{"role": "user", "content": "é"}]) == '"é"'  # tojson, not ASCII
+    with pytest.raises(InvalidRequest, match="rejected the messages: the first turn must be"):
+        strict.render([{"role": "system", "content": "x"}])
+    with pytest.raises(ValueError, match="does not compile"):
+        ChatTemplate("{% for %}", "broken.jinja")
 
 
 def test_full_queue_is_429(served):
@@ -238,7 +356,7 @@ def test_health_says_starting_while_warming_up(tmp_path):
         original()
 
     engine.warmup = held_warmup
-    server = BackgroundServer(create_app(engine)).start()
+    server = BackgroundServer(create_app(engine, chat_template=CHAT)).start()
     try:
         engine.start(background=True)
         with httpx.Client(base_url=server.url, timeout=30) as c:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import time
@@ -196,6 +197,8 @@ class Engine(Service):
         params = params or SamplingParams()
         params.validate(self.config.max_len)
         ids = self.encode_prompt(prompt)
+        if params.max_tokens is None:  # as many as the cache row holds after the prompt
+            params = dataclasses.replace(params, max_tokens=self.config.max_len - len(ids))
         handle = RequestHandle(f"cmpl-{next(self._ids)}", ids, params, loop)
         with self._lock:
             if self.starting:

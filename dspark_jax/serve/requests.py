@@ -47,9 +47,10 @@ class SamplingParams:
 
     temperature 0 = greedy. top_k 0 = off. top_p 1 = off. ``stop``: up to 4 strings; the
     output is cut before the first occurrence. ``seed``: see the module docstring.
+    ``max_tokens`` None: until the request's cache row is full (the chat default).
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -60,7 +61,7 @@ class SamplingParams:
         def bad(field, msg):
             raise InvalidRequest(f"{field} {msg}", field)
 
-        mt = self.max_tokens
+        mt = max_len - 1 if self.max_tokens is None else self.max_tokens
         if isinstance(mt, bool) or not isinstance(mt, int | np.integer):
             bad("max_tokens", f"must be an integer, got {mt!r}")
         if mt < 1:

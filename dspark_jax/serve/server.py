@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP API over the serving engine (FastAPI + uvicorn, DESIGN §6).
 
-Endpoints: ``POST /v1/completions`` (JSON or SSE streaming), ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus text).
+Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or SSE
+streaming; chat messages rendered with the model's chat template, ``serve/chat.py``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
 ``/health`` is 200 ``{"status": "ok"}`` when serving, and 503 with ``"starting"`` (plus
 the warm-up step, e.g. ``compiling verify round 3 of 8``) while an engine started with
@@ -9,7 +10,8 @@ the warm-up step, e.g. ``compiling verify round 3 of 8``) while an engine starte
 after an engine error, so orchestration can tell "up but warming" from "down".
 
 Errors use the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``: 400 for
-invalid input (the field is named in ``param``), 404 for an unknown model, 429 when the
+invalid input (the field is named in ``param``; a field this server does not implement is
+a 400 naming it, never silently ignored), 404 for an unknown model, 429 when the
 admission queue is full, 503 while shutting down. Request bodies are parsed by hand (not
 by pydantic models) so every message names the offending field in OpenAI's format.
 
@@ -37,6 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dspark_jax.serve.chat import ChatTemplate, parse_messages
 from dspark_jax.serve.engine import (
     Delta,
     Engine,
@@ -48,9 +51,16 @@ from dspark_jax.serve.engine import (
 )
 from dspark_jax.serve.metrics import EngineMetrics
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: until the cache ends)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; pass 0 for greedy
-_UNSUPPORTED = ("suffix", "echo", "logprobs", "best_of", "logit_bias")
+# Fields each endpoint understands; any other field is a 400 naming it, never ignored.
+# Penalties are accepted only at their neutral value 0.
+_SAMPLING_FIELDS = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream",
+    "stream_options", "n", "user", "frequency_penalty", "presence_penalty",
+}  # fmt: skip
+_COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt"}
+_CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 
 
 class APIError(Exception):
@@ -69,8 +79,8 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(_error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
 
 
-def parse_completion_request(body: Any, model_name: str) -> tuple[Any, SamplingParams, dict]:
-    """Validate a ``/v1/completions`` body: ``(prompt, params, options)`` or ``APIError``."""
+def _parse_sampling(body: Any, model_name: str, known: set[str], max_tokens_default):
+    """The fields both endpoints share: ``(params, options)`` or ``APIError``."""
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
     model = body.get("model")
@@ -81,16 +91,15 @@ def parse_completion_request(body: Any, model_name: str) -> tuple[Any, SamplingP
             "model",
             code="model_not_found",
         )
-    if "prompt" not in body:
-        raise APIError(400, "prompt is required", "prompt")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # the OpenAI client may send a one-element batch
-    if not isinstance(prompt, str):
-        raise APIError(400, "prompt must be a string (batched prompts are not supported)", "prompt")
-    for name in _UNSUPPORTED:
-        if body.get(name) not in (None, False, 0, ""):
-            raise APIError(400, f"{name} is not supported by this server", name)
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise APIError(
+            400, f"unsupported field(s) {', '.join(unknown)} (this server does not implement "
+            "them)", unknown[0],
+        )  # fmt: skip
+    for name in ("frequency_penalty", "presence_penalty"):
+        if body.get(name) not in (None, 0, 0.0) or isinstance(body.get(name), bool):
+            raise APIError(400, f"{name} is not supported by this server (only 0)", name)
     n = body.get("n", 1)
     if n != 1 or isinstance(n, bool):
         raise APIError(400, f"n must be 1 (one completion per request), got {n!r}", "n")
@@ -108,7 +117,7 @@ def parse_completion_request(body: Any, model_name: str) -> tuple[Any, SamplingP
     if top_k == -1 and not isinstance(top_k, bool):
         top_k = 0  # vLLM's spelling of "off"
     params = SamplingParams(
-        max_tokens=_or_default(body, "max_tokens", DEFAULT_MAX_TOKENS),
+        max_tokens=_or_default(body, "max_tokens", max_tokens_default),
         temperature=_or_default(body, "temperature", DEFAULT_TEMPERATURE),
         top_k=top_k,
         top_p=_or_default(body, "top_p", 1.0),
@@ -121,7 +130,48 @@ def parse_completion_request(body: Any, model_name: str) -> tuple[Any, SamplingP
         if isinstance(body.get("stream_options"), dict | None)
         else False,
     }
+    return params, options
+
+
+def parse_completion_request(body: Any, model_name: str) -> tuple[Any, SamplingParams, dict]:
+    """Validate a ``/v1/completions`` body: ``(prompt, params, options)`` or ``APIError``."""
+    params, options = _parse_sampling(body, model_name, _COMPLETION_FIELDS, DEFAULT_MAX_TOKENS)
+    if "prompt" not in body:
+        raise APIError(400, "prompt is required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # the OpenAI client may send a one-element batch
+    if not isinstance(prompt, str):
+        raise APIError(400, "prompt must be a string (batched prompts are not supported)", "prompt")
     return prompt, params, options
+
+
+def parse_chat_request(body: Any, model_name: str, template: ChatTemplate | None):
+    """Validate a ``/v1/chat/completions`` body and render its messages with the model's
+    chat template: ``(prompt text, params, options)`` or ``APIError``."""
+    if isinstance(body, dict) and "max_completion_tokens" in body:
+        if body.get("max_tokens") is not None:
+            raise APIError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
+        rest = {k: v for k, v in body.items() if k != "max_completion_tokens"}
+        body = {**rest, "max_tokens": body["max_completion_tokens"]}
+    params, options = _parse_sampling(body, model_name, _CHAT_FIELDS, None)
+    if template is None:
+        raise APIError(
+            400,
+            "this model has no chat template (no chat_template.jinja and no chat_template in "
+            "its tokenizer_config.json); use /v1/completions with a prompt",
+            "messages",
+        )
+    if "messages" not in body:
+        raise APIError(400, "messages is required", "messages")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise APIError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
+    try:
+        text = template.render(parse_messages(body["messages"]), True, kwargs)
+    except InvalidRequest as e:
+        raise APIError(400, str(e), e.param) from e
+    return text, params, options
 
 
 def _or_default(body: dict, name: str, default):
@@ -151,9 +201,12 @@ def create_app(
     model_name: str | None = None,
     metrics: EngineMetrics | None = None,
     shutdown_engine: bool = True,
+    chat_template: ChatTemplate | None = None,
 ) -> FastAPI:
     """The FastAPI app for a started ``engine``. With ``shutdown_engine`` the app's
-    lifespan drains and stops the engine when the server shuts down."""
+    lifespan drains and stops the engine when the server shuts down. ``chat_template``
+    (``serve.chat.load_chat_template`` of the target directory) enables
+    ``/v1/chat/completions``; without one that endpoint answers 400."""
     name = model_name or engine.config.model_name
     metrics = metrics or EngineMetrics()
     metrics.attach(engine)
@@ -209,15 +262,14 @@ def create_app(
         body, ctype = metrics.render()
         return Response(body, media_type=ctype)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def submit(request: Request, parse, chat: bool) -> Response:
         try:
             raw = await request.body()
             try:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise APIError(400, f"request body is not valid JSON: {e}") from e
-            prompt, params, options = parse_completion_request(body, name)
+            prompt, params, options = parse(body)
             try:
                 handle = engine.submit(prompt, params, loop=asyncio.get_running_loop())
             except InvalidRequest as e:
@@ -233,26 +285,51 @@ def create_app(
                 metrics.rejected.labels("invalid").inc()
             return _error(e)
 
-        rid = "cmpl-" + uuid.uuid4().hex[:24]
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if options["stream"]:
             return StreamingResponse(
-                _stream(handle, rid, name, options["include_usage"]),
+                _stream(handle, rid, name, options["include_usage"], chat),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        return await _complete(request, handle, rid, name)
+        return await _complete(request, handle, rid, name, chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await submit(request, lambda body: parse_completion_request(body, name), False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        parse = lambda body: parse_chat_request(body, name, chat_template)  # noqa: E731
+        return await submit(request, parse, True)
 
     return app
 
 
-def _chunk(rid: str, model: str, text: str, finish, usage=None, extra=None) -> str:
-    obj = {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
-    }
+def _choice(text: str, finish, chat: bool, delta: dict | None = None) -> dict:
+    if not chat:
+        return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+    if delta is not None:  # a streamed chat chunk
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    message = {"role": "assistant", "content": text}
+    return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+
+
+def _envelope(rid: str, model: str, chat: bool, stream: bool) -> dict:
+    kind = ("chat.completion" if chat else "text_completion") + (
+        ".chunk" if stream and chat else ""
+    )
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
+
+
+def _chunk(rid, model, text, finish, chat, usage=None, extra=None, first=False) -> str:
+    obj = _envelope(rid, model, chat, True)
+    delta = None
+    if chat:
+        delta = {"content": text} if text or not finish else {}
+        if first:
+            delta = {"role": "assistant", **delta}
+    obj["choices"] = [_choice(text, finish, chat, delta)]
     if usage is not None:
         obj["usage"] = usage
     if extra is not None:
@@ -260,26 +337,24 @@ def _chunk(rid: str, model: str, text: str, finish, usage=None, extra=None) -> s
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _stream(handle, rid: str, model: str, include_usage: bool):
-    """SSE: one chunk per decode round with new text, a final chunk with the finish reason
-    (and usage), then ``data: [DONE]``. A disconnect cancels the request (``finally``)."""
+async def _stream(handle, rid: str, model: str, include_usage: bool, chat: bool = False):
+    """SSE: one chunk per decode round with new text (chat: the first carries the
+    assistant role), a final chunk with the finish reason (and usage), then ``data:
+    [DONE]``. A disconnect cancels the request (``finally``)."""
+    first = True
     try:
         async for ev in handle.aevents():
             if isinstance(ev, Delta):
                 if ev.text:
-                    yield _chunk(rid, model, ev.text, None)
+                    yield _chunk(rid, model, ev.text, None, chat, first=first)
+                    first = False
                 continue
             if ev.finish_reason in ("stop", "length"):
-                yield _chunk(rid, model, "", ev.finish_reason, _usage(ev), _dspark_info(ev))
+                yield _chunk(
+                    rid, model, "", ev.finish_reason, chat, _usage(ev), _dspark_info(ev), first
+                )
                 if include_usage:
-                    obj = {
-                        "id": rid,
-                        "object": "text_completion",
-                        "created": int(time.time()),
-                        "model": model,
-                        "choices": [],
-                        "usage": _usage(ev),
-                    }
+                    obj = {**_envelope(rid, model, chat, True), "choices": [], "usage": _usage(ev)}
                     yield f"data: {json.dumps(obj)}\n\n"
             else:
                 msg = ev.error or f"request ended: {ev.finish_reason}"
@@ -290,7 +365,7 @@ async def _stream(handle, rid: str, model: str, include_usage: bool):
             handle.cancel()
 
 
-async def _complete(request: Request, handle, rid: str, model: str) -> Response:
+async def _complete(request: Request, handle, rid: str, model: str, chat: bool = False):
     task = asyncio.ensure_future(handle.aresult())
     try:
         while True:
@@ -314,13 +389,8 @@ async def _complete(request: Request, handle, rid: str, model: str) -> Response:
         )
     return JSONResponse(
         {
-            "id": rid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": [
-                {"text": res.text, "index": 0, "logprobs": None, "finish_reason": res.finish_reason}
-            ],
+            **_envelope(rid, model, chat, False),
+            "choices": [_choice(res.text, res.finish_reason, chat)],
             "usage": _usage(res),
             "dspark": _dspark_info(res),
         }
@@ -390,5 +460,6 @@ __all__ = [
     "DrainingServer",
     "create_app",
     "make_server",
+    "parse_chat_request",
     "parse_completion_request",
 ]
