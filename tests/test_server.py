@@ -100,7 +100,8 @@ BAD = [
     ({"prompt": "x", "stop": 7}, 400, "stop", "string"),
     ({"prompt": "x", "seed": "s"}, 400, "seed", "integer"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
-    ({"prompt": "x", "n": 2}, 400, "n", "n must be 1"),
+    ({"prompt": "x", "n": 0}, 400, "n", "n must be an integer in [1, 16]"),
+    ({"prompt": "x", "stop_token_ids": [1, "a"]}, 400, "stop_token_ids", "token ids"),
     ({"prompt": "def " * 40}, 400, "prompt", "at most 30 tokens"),
     ({"prompt": "x", "model": "gpt-9"}, 404, "model", "does not exist"),
     # Fields this server does not implement are named, never ignored.
@@ -182,6 +183,43 @@ def test_chat_completions_through_the_openai_client(served):
             assert r.status_code == status, (body, r.text)
             err = r.json()["error"]
             assert err["param"] == param and msg in err["message"], (body, err)
+
+
+def test_n_choices_and_stop_token_ids(served):
+    """n independent samples per request (greedy: n equal choices), streamed with their
+    index; usage counts the prompt once; stop_token_ids end a choice before the id."""
+    server, engine, want = served
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    p = PROMPTS[0]
+    r = client.completions.create(model=MODEL, prompt=p, max_tokens=N_NEW, temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [want[p][0]] * 2
+    assert r.usage.completion_tokens == 2 * want[p][1]
+    assert r.usage.prompt_tokens == len(engine.tokenizer.encode(p))
+    r = client.completions.create(model=MODEL, prompt=p, max_tokens=N_NEW, temperature=1.0, n=3)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=N_NEW, temperature=0, n=2, stream=True
+        )
+    )
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+    ref = engine.generate(CHAT.render(MESSAGES), SamplingParams(max_tokens=N_NEW))
+    assert texts == {0: ref.text, 1: ref.text}
+    # stop_token_ids (vLLM's field): cut before the first occurrence of the id.
+    full = engine.generate(p, SamplingParams(max_tokens=N_NEW))
+    stop_id = full.token_ids[2]
+    r = client.completions.create(
+        model=MODEL, prompt=p, max_tokens=N_NEW, temperature=0,
+        extra_body={"stop_token_ids": [stop_id]},
+    )  # fmt: skip
+    cut = full.token_ids.index(stop_id)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == engine.tokenizer.decode(full.token_ids[:cut])
+    assert r.usage.completion_tokens == cut + 1  # the stop id is generated, not shown
 
 
 def test_chat_without_a_template_is_a_400_naming_it():

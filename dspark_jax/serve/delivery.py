@@ -59,7 +59,8 @@ class ActiveRequest:
 
     def __init__(self, handle: RequestHandle, tokenizer: Tokenizer):
         self.handle = handle
-        self.stream = TextStream(tokenizer, set(tokenizer.stop_ids), handle.params.stop)
+        stop_ids = set(tokenizer.stop_ids) | {int(i) for i in handle.params.stop_token_ids}
+        self.stream = TextStream(tokenizer, stop_ids, handle.params.stop)
         self.done = False
         self.rounds = 0
         self.accepted = 0  # emitted tokens summed over rounds (for τ)

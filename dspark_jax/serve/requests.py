@@ -48,6 +48,8 @@ class SamplingParams:
     temperature 0 = greedy. top_k 0 = off. top_p 1 = off. ``stop``: up to 4 strings; the
     output is cut before the first occurrence. ``seed``: see the module docstring.
     ``max_tokens`` None: until the request's cache row is full (the chat default).
+    ``stop_token_ids``: ids that end the output (finish reason "stop", not part of the
+    text), besides the tokenizer's end-of-text ids.
     """
 
     max_tokens: int | None = 16
@@ -56,6 +58,7 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
 
     def validate(self, max_len: int) -> None:
         def bad(field, msg):
@@ -89,6 +92,11 @@ class SamplingParams:
             bad("stop", f"accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(s == "" for s in self.stop):
             bad("stop", "strings must be non-empty")
+        ids = self.stop_token_ids
+        if not isinstance(ids, tuple) or not all(
+            isinstance(i, int | np.integer) and not isinstance(i, bool) and i >= 0 for i in ids
+        ):
+            bad("stop_token_ids", f"must be a list of token ids (integers >= 0), got {ids!r}")
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, int | np.integer)):
             bad("seed", f"must be an integer, got {s!r}")

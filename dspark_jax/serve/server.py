@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import signal
 import socket
@@ -53,11 +54,12 @@ from dspark_jax.serve.metrics import EngineMetrics
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: until the cache ends)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; pass 0 for greedy
+MAX_N = 16  # choices per request (n): each is one engine request
 # Fields each endpoint understands; any other field is a 400 naming it, never ignored.
 # Penalties are accepted only at their neutral value 0.
 _SAMPLING_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream",
-    "stream_options", "n", "user", "frequency_penalty", "presence_penalty",
+    "stream_options", "n", "user", "frequency_penalty", "presence_penalty", "stop_token_ids",
 }  # fmt: skip
 _COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt"}
 _CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs"}
@@ -101,8 +103,8 @@ def _parse_sampling(body: Any, model_name: str, known: set[str], max_tokens_defa
         if body.get(name) not in (None, 0, 0.0) or isinstance(body.get(name), bool):
             raise APIError(400, f"{name} is not supported by this server (only 0)", name)
     n = body.get("n", 1)
-    if n != 1 or isinstance(n, bool):
-        raise APIError(400, f"n must be 1 (one completion per request), got {n!r}", "n")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise APIError(400, f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError(400, f"stream must be a boolean, got {stream!r}", "stream")
@@ -123,8 +125,10 @@ def _parse_sampling(body: Any, model_name: str, known: set[str], max_tokens_defa
         top_p=_or_default(body, "top_p", 1.0),
         stop=stop,
         seed=body.get("seed"),
+        stop_token_ids=_id_list(body.get("stop_token_ids")),
     )
     options = {
+        "n": n,
         "stream": stream,
         "include_usage": bool((body.get("stream_options") or {}).get("include_usage", False))
         if isinstance(body.get("stream_options"), dict | None)
@@ -172,6 +176,13 @@ def parse_chat_request(body: Any, model_name: str, template: ChatTemplate | None
     except InvalidRequest as e:
         raise APIError(400, str(e), e.param) from e
     return text, params, options
+
+
+def _id_list(value):
+    """``stop_token_ids`` as a tuple (vLLM's extension); validated with the other params."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _or_default(body: dict, name: str, default):
@@ -270,8 +281,14 @@ def create_app(
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise APIError(400, f"request body is not valid JSON: {e}") from e
             prompt, params, options = parse(body)
+            handles = []
             try:
-                handle = engine.submit(prompt, params, loop=asyncio.get_running_loop())
+                for i in range(options["n"]):
+                    # n independent samples; a seeded request's choice i uses seed + i.
+                    p = params
+                    if params.seed is not None and i:
+                        p = dataclasses.replace(params, seed=params.seed + i)
+                    handles.append(engine.submit(prompt, p, loop=asyncio.get_running_loop()))
             except InvalidRequest as e:
                 raise APIError(400, str(e), e.param) from e
             except QueueFull as e:
@@ -280,6 +297,10 @@ def create_app(
             except EngineClosed as e:
                 metrics.rejected.labels("shutting_down").inc()
                 raise APIError(503, str(e), kind="service_unavailable") from e
+            finally:
+                if len(handles) < options["n"]:  # refused part-way: drop the rest
+                    for h in handles:
+                        h.cancel()
         except APIError as e:
             if e.status in (400, 404):
                 metrics.rejected.labels("invalid").inc()
@@ -288,11 +309,11 @@ def create_app(
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if options["stream"]:
             return StreamingResponse(
-                _stream(handle, rid, name, options["include_usage"], chat),
+                _stream(handles, rid, name, options["include_usage"], chat),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        return await _complete(request, handle, rid, name, chat)
+        return await _complete(request, handles, rid, name, chat)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -306,13 +327,13 @@ def create_app(
     return app
 
 
-def _choice(text: str, finish, chat: bool, delta: dict | None = None) -> dict:
+def _choice(text: str, finish, chat: bool, delta: dict | None = None, index: int = 0) -> dict:
     if not chat:
-        return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+        return {"text": text, "index": index, "logprobs": None, "finish_reason": finish}
     if delta is not None:  # a streamed chat chunk
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
     message = {"role": "assistant", "content": text}
-    return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+    return {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
 
 
 def _envelope(rid: str, model: str, chat: bool, stream: bool) -> dict:
@@ -322,14 +343,14 @@ def _envelope(rid: str, model: str, chat: bool, stream: bool) -> dict:
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
 
 
-def _chunk(rid, model, text, finish, chat, usage=None, extra=None, first=False) -> str:
+def _chunk(rid, model, text, finish, chat, usage=None, extra=None, first=False, index=0) -> str:
     obj = _envelope(rid, model, chat, True)
     delta = None
     if chat:
         delta = {"content": text} if text or not finish else {}
         if first:
             delta = {"role": "assistant", **delta}
-    obj["choices"] = [_choice(text, finish, chat, delta)]
+    obj["choices"] = [_choice(text, finish, chat, delta, index)]
     if usage is not None:
         obj["usage"] = usage
     if extra is not None:
@@ -337,64 +358,104 @@ def _chunk(rid, model, text, finish, chat, usage=None, extra=None, first=False) 
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _stream(handle, rid: str, model: str, include_usage: bool, chat: bool = False):
-    """SSE: one chunk per decode round with new text (chat: the first carries the
-    assistant role), a final chunk with the finish reason (and usage), then ``data:
-    [DONE]``. A disconnect cancels the request (``finally``)."""
-    first = True
+def _usage_of(results: list[Result]) -> dict[str, int]:
+    """One request's usage over its ``n`` choices: the prompt counted once."""
+    completion = sum(r.completion_tokens for r in results)
+    prompt = results[0].prompt_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}  # fmt: skip
+
+
+async def _events(handles):
+    """``(choice index, event)`` of every handle, in arrival order."""
+    if len(handles) == 1:
+        async for ev in handles[0].aevents():
+            yield 0, ev
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, h):
+        async for ev in h.aevents():
+            await queue.put((i, ev))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
     try:
-        async for ev in handle.aevents():
+        for _ in range(len(handles)):
+            while True:
+                i, ev = await queue.get()
+                yield i, ev
+                if isinstance(ev, Result):
+                    break
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _stream(handles, rid: str, model: str, include_usage: bool, chat: bool = False):
+    """SSE: one chunk per decode round with new text of a choice (chat: a choice's first
+    chunk carries the assistant role), a final chunk per choice with its finish reason,
+    then (``include_usage``) the usage, then ``data: [DONE]``. A disconnect cancels every
+    choice (``finally``)."""
+    started, results = set(), []
+    try:
+        async for i, ev in _events(handles):
             if isinstance(ev, Delta):
                 if ev.text:
-                    yield _chunk(rid, model, ev.text, None, chat, first=first)
-                    first = False
+                    yield _chunk(rid, model, ev.text, None, chat, first=i not in started, index=i)
+                    started.add(i)
                 continue
+            results.append(ev)
             if ev.finish_reason in ("stop", "length"):
+                first = i not in started
+                started.add(i)
                 yield _chunk(
-                    rid, model, "", ev.finish_reason, chat, _usage(ev), _dspark_info(ev), first
-                )
-                if include_usage:
-                    obj = {**_envelope(rid, model, chat, True), "choices": [], "usage": _usage(ev)}
-                    yield f"data: {json.dumps(obj)}\n\n"
+                    rid, model, "", ev.finish_reason, chat, _usage(ev), _dspark_info(ev),
+                    first, i,
+                )  # fmt: skip
             else:
                 msg = ev.error or f"request ended: {ev.finish_reason}"
                 yield f"data: {json.dumps(_error_body(msg, 'server_error'))}\n\n"
+        if include_usage and results:
+            obj = {**_envelope(rid, model, chat, True), "choices": [], "usage": _usage_of(results)}
+            yield f"data: {json.dumps(obj)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        if not handle.done.is_set():
-            handle.cancel()
+        for h in handles:
+            if not h.done.is_set():
+                h.cancel()
 
 
-async def _complete(request: Request, handle, rid: str, model: str, chat: bool = False):
-    task = asyncio.ensure_future(handle.aresult())
+async def _complete(request: Request, handles, rid: str, model: str, chat: bool = False):
+    tasks = [asyncio.ensure_future(h.aresult()) for h in handles]
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
+            done, pending = await asyncio.wait(tasks, timeout=0.5)
+            if not pending:
                 break
             if await request.is_disconnected():
-                handle.cancel()
-                task.cancel()
+                for h, t in zip(handles, tasks):
+                    h.cancel()
+                    t.cancel()
                 return Response(status_code=499)
     finally:
-        if not handle.done.is_set():
-            handle.cancel()
-    res: Result = task.result()
-    if res.finish_reason not in ("stop", "length"):
-        status = 503 if res.finish_reason == "abort" else 500
-        return _error(
-            APIError(
-                status, res.error or f"request ended: {res.finish_reason}", kind="server_error"
-            )
-        )
-    return JSONResponse(
-        {
-            **_envelope(rid, model, chat, False),
-            "choices": [_choice(res.text, res.finish_reason, chat)],
-            "usage": _usage(res),
-            "dspark": _dspark_info(res),
-        }
-    )
+        for h in handles:
+            if not h.done.is_set():
+                h.cancel()
+    results: list[Result] = [t.result() for t in tasks]
+    for res in results:
+        if res.finish_reason not in ("stop", "length"):
+            status = 503 if res.finish_reason == "abort" else 500
+            message = res.error or f"request ended: {res.finish_reason}"
+            return _error(APIError(status, message, kind="server_error"))
+    body = {
+        **_envelope(rid, model, chat, False),
+        "choices": [_choice(r.text, r.finish_reason, chat, index=i) for i, r in enumerate(results)],
+        "usage": _usage_of(results),
+        "dspark": _dspark_info(results[0]),
+    }
+    if len(results) > 1:
+        body["dspark"] = [_dspark_info(r) for r in results]
+    return JSONResponse(body)
 
 
 # ------------------------------------------------------------------------------------------
