@@ -8,7 +8,9 @@
 - ``config``: ``EngineConfig`` and the counters ``EngineStats``;
 - ``engine``: the continuous-batching loop (admission, pipelined rounds, delivery);
 - ``loading``: the target and drafter directories a server runs;
-- ``server`` / ``metrics``: the OpenAI-compatible HTTP API and its Prometheus metrics.
+- ``server`` / ``metrics``: the OpenAI-compatible HTTP API and its Prometheus metrics;
+- ``chat``: chat messages -> prompt with the checkpoint's chat template;
+- ``offline``: ``LLM``, offline batches in one Python call over the engine.
 """
 
 from dspark_jax.serve.engine import (
@@ -23,6 +25,7 @@ from dspark_jax.serve.engine import (
     SamplingParams,
     load_models,
 )
+from dspark_jax.serve.offline import LLM
 
 __all__ = [
     "Delta",
@@ -30,6 +33,7 @@ __all__ = [
     "EngineClosed",
     "EngineConfig",
     "InvalidRequest",
+    "LLM",
     "QueueFull",
     "RequestHandle",
     "Result",
