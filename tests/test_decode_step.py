@@ -17,7 +17,7 @@ from dspark_jax.models.draft_api import DraftContext, SamplingSettings
 from dspark_jax.models.drafters import DrafterConfig, init_drafter_params, make_drafter
 from dspark_jax.models.presets import PRESETS
 from dspark_jax.models.qwen3 import Qwen3
-from dspark_jax.ops.sampling import process_logits
+from dspark_jax.ops.sampling import process_logits, split_keys
 from dspark_jax.sched import prefix as prefix_sched
 
 V = 24  # distinct from every other dimension, so HLO shapes can be matched by size
@@ -381,11 +381,13 @@ def test_inactive_slots_untouched_and_packed_rows(target):
         np.zeros(1, np.int32),
         np.ones(1, np.float32),
     )
-    before = jax.tree.map(np.array, state._replace(rng=None))
+    before = jax.tree.map(np.array, state)
     state, out = dec.round(state)
-    after = jax.tree.map(np.array, state._replace(rng=None))
+    after = jax.tree.map(np.array, state)
+    assert not np.array_equal(before.slot_keys[1], after.slot_keys[1])  # the active stream
     for s in (0, 2):
-        for name in ("seq_len", "anchor", "remaining", "active", "ctx_tokens", "ctx_feats"):
+        names = ("seq_len", "anchor", "remaining", "active", "ctx_tokens", "ctx_feats")
+        for name in names + ("slot_keys",):  # idle slots' random streams do not advance
             np.testing.assert_array_equal(getattr(before, name)[s], getattr(after, name)[s])
         np.testing.assert_array_equal(before.cache.k[:, s], after.cache.k[:, s])
         np.testing.assert_array_equal(before.cache.v[:, s], after.cache.v[:, s])
@@ -493,7 +495,7 @@ def test_kv_cached_context_matches_feature_draft(target, kind):
             dec.taps, method="hidden_states",
         )  # fmt: skip
         feats[r, : seq_len[r]] = np.asarray(dec._features(taps, None)[0])
-    _, draft_key, _ = jax.random.split(state.rng, 3)
+    _, draft_key, _ = split_keys(jax.random.wrap_key_data(state.slot_keys), 3)
     ref = drafter.apply(
         {"params": dparams}, DraftContext(jnp.asarray(feats), state.seq_len), state.anchor,
         draft_key, SamplingSettings(1.0, 0, 1.0), dec._embed_fn(params), dec._lm_head_fn(params),

@@ -202,6 +202,31 @@ def test_seeded_request_alone_is_reproducible(setup):
     assert a.token_ids == b.token_ids
 
 
+@pytest.mark.parametrize("scheduler", ["fixed", "threshold"])
+def test_seeded_output_does_not_depend_on_the_load(setup, scheduler):
+    """Per-request random streams: with schedulers that decide each slot's verify length
+    from that slot alone, a seeded T = 1 request gives the same tokens alone on the engine
+    and amid other sampled requests sharing its rounds (admitted in a different slot)."""
+    tok, target, tp, _ = setup
+    _, _, drafter, dp = tiny_random_models(tok, "dspark", gamma=3, max_len=MAX_LEN)
+    cfg = EngineConfig(num_slots=SLOTS, max_len=MAX_LEN, scheduler=scheduler, max_queue=32)
+    engine = Engine(target, tp, tok, drafter, dp, cfg).start()
+    try:
+        seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=2**40 + 7)
+        alone = engine.generate("def add", seeded, timeout=60)
+        assert engine.generate("def add", seeded, timeout=60).token_ids == alone.token_ids
+        rng = np.random.default_rng(1)
+        others = [PROMPTS[i % len(PROMPTS)] for i in range(6)]
+        params = [SamplingParams(max_tokens=int(rng.integers(2, 14)), temperature=1.0)] * 6
+        prompts = others[:2] + ["def add"] + others[2:]
+        results = _run_all(engine, prompts, params[:2] + [seeded] + params[2:])
+        assert results[2].token_ids == alone.token_ids
+        other_seed = SamplingParams(max_tokens=16, temperature=1.0, seed=5)
+        assert engine.generate("def add", other_seed, timeout=60).token_ids != alone.token_ids
+    finally:
+        engine.shutdown(drain=False, timeout=30)
+
+
 def test_no_compilation_after_warmup_over_many_requests(setup):
     tok, _, _, engine = setup
     rng = np.random.default_rng(0)

@@ -22,7 +22,12 @@ import numpy as np
 
 from dspark_jax.decode.autoregressive import length_bucket
 from dspark_jax.decode.policy import RoundPolicy, default_buckets, profile_decoder_sps
-from dspark_jax.decode.step import FINISH_NAMES, FINISH_NONE, SpeculativeDecoder
+from dspark_jax.decode.step import (
+    FINISH_NAMES,
+    FINISH_NONE,
+    SpeculativeDecoder,
+    request_key_data,
+)
 
 # Re-exported: callers built on the runner keep working.
 __all__ = ["Request", "Runner", "SampleResult", "default_buckets", "profile_decoder_sps"]
@@ -65,6 +70,7 @@ class Request:
     top_k: int = 0
     top_p: float = 1.0
     prompt_index: int = 0
+    seed: int | None = None  # the request's random stream (None: from the runner's seed)
 
 
 class Runner:
@@ -82,6 +88,14 @@ class Runner:
         self.policy = RoundPolicy(decoder, buckets)
         self.record_details = record_details
         self.seed = seed
+
+    def request_keys(self, index: int, req: Request) -> np.ndarray:
+        """Request ``index``'s random stream: from its own ``seed`` if it has one, else
+        from the runner's seed and the index (so a run is reproducible as a whole and each
+        request's samples do not depend on which others share its rounds)."""
+        if req.seed is not None:
+            return request_key_data(req.seed)
+        return request_key_data(self.seed, index, 1)
 
     # Read-only views of the round policy.
     buckets = property(lambda self: self.policy.buckets)
@@ -145,6 +159,7 @@ class Runner:
                         np.array([req.temperature], np.float32),
                         np.array([req.top_k], np.int32),
                         np.array([req.top_p], np.float32),
+                        self.request_keys(idx, req)[None],
                     )
                     first, code = int(pre.first_token[0]), int(pre.finish[0])
                     results[idx] = SampleResult(idx, req.prompt_index, [first], "", [], [])

@@ -29,6 +29,11 @@ A round for R slots with verify budget K (one compiled function per K):
    stay and are overwritten later), append the features of committed positions to the
    drafter context.
 
+Random streams: every slot has its own key (``slot_keys[r]``, key data), set at prefill
+from the request's seed and split once per round the slot is active: a request's draws
+(first token, drafts, acceptance uniforms, residual/bonus token) come from its own stream
+only, whatever else shares the rounds (``request_key_data`` turns a seed into key data).
+
 A round is two pure pieces: ``plan`` (steps 1-2: drafts, survival, capped lengths) and
 ``commit`` (steps 3-4, compiled per K). ``round`` fuses them in one executable. The
 synchronous Algorithm-1 path (``prefix`` with several buckets, see ``Runner``) runs them as
@@ -50,7 +55,7 @@ import numpy as np
 from dspark_jax.decode.verify import verify_greedy, verify_sampling
 from dspark_jax.models.draft_api import DraftContext, SamplingSettings
 from dspark_jax.models.qwen3 import KVCache, Qwen3, init_cache
-from dspark_jax.ops.sampling import process_logits, sample
+from dspark_jax.ops.sampling import process_logits, sample, split_keys
 from dspark_jax.sched import policies
 
 Array = jax.Array
@@ -59,6 +64,18 @@ FINISH_NONE, FINISH_EOS, FINISH_LENGTH = 0, 1, 2
 FINISH_NAMES = {FINISH_NONE: None, FINISH_EOS: "eos", FINISH_LENGTH: "length"}
 
 SCHEDULER_MODES = ("none", "fixed", "threshold", "prefix", "topk")
+
+
+def request_key_data(*seed: int) -> np.ndarray:
+    """Key data of the random stream for ``seed`` (any non-negative integers, e.g. a
+    request's seed, or a run seed and a request index), computed on the host: the full
+    64-bit seed counts (``jax.random.key`` keeps 32 bits without x64)."""
+    shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+    return (
+        np.random.SeedSequence([int(x) for x in seed])
+        .generate_state(int(np.prod(shape)), np.uint32)
+        .reshape(shape)
+    )
 
 
 class DecodeState(NamedTuple):
@@ -72,7 +89,7 @@ class DecodeState(NamedTuple):
     temperature: Array  # [R] float32
     top_k: Array  # [R] int32
     top_p: Array  # [R] float32
-    rng: Array
+    slot_keys: Array  # [R, ...] uint32 key data: each slot's random stream
 
 
 class RoundOutput(NamedTuple):
@@ -99,8 +116,8 @@ class Plan(NamedTuple):
     confidence: Array  # [R, G]
     survival: Array  # [R, G]
     lengths: Array  # [R] draft tokens to verify, already capped by room / max_new
-    verify_key: Array
-    rng: Array  # the state's next key
+    verify_keys: Array  # [R] typed keys of the verification draws
+    slot_keys: Array  # [R, ...] the state's next key data (advanced for active slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +266,9 @@ class SpeculativeDecoder:
             temperature=jnp.zeros((r,), jnp.float32),
             top_k=jnp.zeros((r,), jnp.int32),
             top_p=jnp.ones((r,), jnp.float32),
-            rng=jax.random.key(seed),
+            slot_keys=jnp.asarray(
+                np.stack([request_key_data(seed, s) for s in range(r)]), jnp.uint32
+            ),
         )
 
     @property
@@ -285,16 +304,22 @@ class SpeculativeDecoder:
         return self.drafter.apply({"params": dp}, feats, positions, method="context_cache")
 
     # -- prefill ----------------------------------------------------------------------
-    def prefill(self, state, slots, prompts, lengths, max_new, temperature, top_k, top_p):
+    def prefill(
+        self, state, slots, prompts, lengths, max_new, temperature, top_k, top_p, keys=None
+    ):
         """Insert prompts ``[B, T]`` (right-padded) into ``slots [B]`` and sample token 1.
 
-        A row whose slot is ``>= num_slots`` is computed but writes nothing (batch padding).
+        ``keys [B, ...]``: each row's random stream as key data (``request_key_data``);
+        None: each slot continues its own stream. A row whose slot is ``>= num_slots`` is
+        computed but writes nothing (batch padding).
         """
-        args = (slots, prompts, lengths, max_new, temperature, top_k, top_p)
+        if keys is None:
+            keys = state.slot_keys[jnp.minimum(jnp.asarray(slots), self.config.num_slots - 1)]
+        args = (slots, prompts, lengths, max_new, temperature, top_k, top_p, keys)
         return self._prefill(self._params, state, *(jnp.asarray(a) for a in args))
 
     def _prefill_impl(
-        self, params, state, slots, prompts, lengths, max_new, temperature, top_k, top_p
+        self, params, state, slots, prompts, lengths, max_new, temperature, top_k, top_p, keys
     ):
         c = self.config
         tp = params[0]
@@ -311,9 +336,10 @@ class SpeculativeDecoder:
         )
         last_h = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
         logits = self._lm_head_fn(tp)(last_h)
-        rng, key = jax.random.split(state.rng)
+        # The row's stream: one split for the first token, the rest is the slot's key.
+        split = split_keys(jax.random.wrap_key_data(keys.astype(jnp.uint32)), 2)
         if c.sampling:
-            first = sample(key, process_logits(logits, temperature, top_k, top_p))
+            first = sample(split[1], process_logits(logits, temperature, top_k, top_p))
         else:
             first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -351,7 +377,7 @@ class SpeculativeDecoder:
             temperature=put(state.temperature, temperature),
             top_k=put(state.top_k, top_k),
             top_p=put(state.top_p, top_p),
-            rng=rng,
+            slot_keys=put(state.slot_keys, jax.random.key_data(split[0])),
         )
         return state, PrefillOutput(first, finish)
 
@@ -433,10 +459,17 @@ class SpeculativeDecoder:
 
     def _plan_impl(self, params, state: DecodeState, budget: int) -> Plan:
         c = self.config
-        rng, draft_key, verify_key = jax.random.split(state.rng, 3)
-        draft_tokens, draft_probs, conf, _ = self._draft(params, state, draft_key)
-        survival = jnp.cumprod(conf, axis=1)
+        # Each slot's stream: next key, draft draws, verification draws. Only active slots
+        # advance, so a request's draws depend on its own rounds alone.
         active = state.active
+        nxt, draft_keys, verify_keys = split_keys(jax.random.wrap_key_data(state.slot_keys), 3)
+        slot_keys = jnp.where(
+            active.reshape((-1,) + (1,) * (state.slot_keys.ndim - 1)),
+            jax.random.key_data(nxt),
+            state.slot_keys,
+        )
+        draft_tokens, draft_probs, conf, _ = self._draft(params, state, draft_keys)
+        survival = jnp.cumprod(conf, axis=1)
         lengths = self._schedule(survival, active, budget, params[2])
         # Cap by cache room and max_new so no write goes past max_len (lengths only).
         room = jnp.maximum(c.max_len - 2 - state.seq_len, 0)
@@ -448,8 +481,8 @@ class SpeculativeDecoder:
             confidence=conf,
             survival=survival,
             lengths=lengths,
-            verify_key=verify_key,
-            rng=rng,
+            verify_keys=verify_keys,
+            slot_keys=slot_keys,
         )
 
     def _round_impl(self, params, state: DecodeState, budget: int):
@@ -515,7 +548,7 @@ class SpeculativeDecoder:
         tp = params[0]
         n_rows = r + budget
         draft_tokens, draft_probs = plan.draft_tokens, plan.draft_probs
-        verify_key = plan.verify_key
+        verify_key = plan.verify_keys
         active = state.active
         lengths = jnp.where(active, _cap_total(plan.lengths, budget), 0)
 
@@ -605,7 +638,7 @@ class SpeculativeDecoder:
             anchor=jnp.where(active, next_tok, state.anchor),
             active=active & (finish == FINISH_NONE),
             remaining=remaining,
-            rng=plan.rng,
+            slot_keys=plan.slot_keys,
         )
         out = RoundOutput(
             tokens=out_tokens,

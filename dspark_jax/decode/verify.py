@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.ops.sampling import sample
+from dspark_jax.ops.sampling import sample, split_keys, uniform
 
 __all__ = [
     "PAD_TOKEN",
@@ -136,7 +136,7 @@ def verify_sampling(rng, draft_tokens, draft_probs, target_probs, n_verify, acti
     ``n_verify``.
 
     Args:
-      rng: PRNG key.
+      rng: PRNG key, or per-slot keys ``[R]`` (each slot's draws from its own stream).
       draft_tokens: int ``[R, γ]`` drafts, ``x_k ~ draft_probs[:, k]``.
       draft_probs: float ``[R, γ, V]`` processed draft distributions (``process_logits``).
       target_probs: float ``[R, γ+1, V]`` processed target distributions, same processing.
@@ -158,10 +158,10 @@ def verify_sampling(rng, draft_tokens, draft_probs, target_probs, n_verify, acti
             f"got {draft_probs.shape}"
         )
     r, gamma = draft_tokens.shape
-    k_accept, k_sample = jax.random.split(rng)
+    k_accept, k_sample = split_keys(rng, 2)
     p_d = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
     p_t = jnp.take_along_axis(target_probs[:, :gamma], draft_tokens[..., None], axis=-1)[..., 0]
-    u = jax.random.uniform(k_accept, (r, gamma))
+    u = uniform(k_accept, (r, gamma))
     accept = u < acceptance_probability(p_t, p_d)
     n = jnp.clip(n_verify.astype(jnp.int32), 0, gamma)
 

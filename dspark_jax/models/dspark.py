@@ -30,6 +30,7 @@ from dspark_jax.models.draft_api import (
     SamplingSettings,
 )
 from dspark_jax.models.qwen3 import Qwen3Config
+from dspark_jax.ops.sampling import split_keys
 
 Array = jax.Array
 
@@ -52,7 +53,7 @@ def sample_scan(step_fn, prev0, extra0, per_step, rng, gamma, sampling: Sampling
     just sampled. Returns tokens/token_probs ``[R, γ]``, probs ``[R, γ, V]``, conf
     ``[R, γ]`` or ``None``.
     """
-    keys = jax.random.split(rng, gamma)
+    keys = split_keys(rng, gamma)
 
     def body(carry, xs):
         prev, extra = carry

@@ -34,6 +34,7 @@ from dspark_jax.models.draft_api import (
 )
 from dspark_jax.models.dspark import _check, draft_qwen3_config
 from dspark_jax.models.qwen3 import Projection, Qwen3Config, RMSNorm
+from dspark_jax.ops.sampling import split_keys
 
 Array = jax.Array
 
@@ -180,7 +181,7 @@ class Eagle3Drafter(DrafterModule):
         context_feats, context_tokens = context.rows, context.tokens
         ctx_len = context.length.astype(jnp.int32)
         gamma = cfg.gamma
-        keys = jax.random.split(rng, gamma)
+        keys = split_keys(rng, gamma)
 
         g = self._project(context_feats)
         emb = self._embed(embed, next_tokens(context_tokens, anchor_tokens, ctx_len))

@@ -24,6 +24,7 @@ from dspark_jax.models.draft_api import (
 from dspark_jax.models.dspark import _check, draft_qwen3_config
 from dspark_jax.models.eagle3 import _gather_rows, causal_mask, next_tokens, shift_left
 from dspark_jax.models.qwen3 import Projection, RMSNorm
+from dspark_jax.ops.sampling import split_keys
 
 Array = jax.Array
 
@@ -105,5 +106,5 @@ class MTPDrafter(DrafterModule):
             "none",
         )
         logits = apply_lm_head(lm_head, self.norm(h), self.target.vocab_size)  # [R, 1, V]
-        tok, p_tok, probs = sampling.draw(jax.random.split(rng, 1)[0], logits[:, 0])
+        tok, p_tok, probs = sampling.draw(split_keys(rng, 1)[0], logits[:, 0])
         return DraftOutput(tok[:, None], p_tok[:, None], probs[:, None], None)

@@ -15,7 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SamplingSettings", "process_logits", "sample"]
+__all__ = [
+    "SamplingSettings",
+    "per_row",
+    "process_logits",
+    "sample",
+    "split_keys",
+    "uniform",
+]
 
 
 def _leading_param(name: str, value, logits: jax.Array, dtype) -> jax.Array:
@@ -100,14 +107,39 @@ def process_logits(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0) -> ja
     return jnp.where(greedy, one_hot, probs)
 
 
+def per_row(rng) -> bool:
+    """``rng`` is a batch of keys, one per row (``[R]``), rather than one key: each row
+    then draws from its own stream, whatever the other rows are (per-request seeds)."""
+    return jax.dtypes.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key) and rng.ndim >= 1
+
+
+def split_keys(rng: jax.Array, n: int) -> jax.Array:
+    """``n`` keys from one key (``[n]``), or ``n`` per row from per-row keys (``[n, R]``,
+    so ``split_keys(rng, n)[k]`` is always what draw ``k`` of every row uses)."""
+    if per_row(rng):
+        return jax.vmap(lambda k: jax.random.split(k, n), out_axes=1)(rng)
+    return jax.random.split(rng, n)
+
+
+def uniform(rng: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniforms ``[R, ...]`` from one key, or row r from key r of per-row keys."""
+    if per_row(rng):
+        return jax.vmap(lambda k: jax.random.uniform(k, shape[1:]))(rng)
+    return jax.random.uniform(rng, shape)
+
+
 def sample(rng: jax.Array, probs: jax.Array) -> jax.Array:
-    """Draw one token id per row from ``probs [..., V]``; returns int32 ``[...]``.
+    """Draw one token id per row from ``probs [..., V]``; returns int32 ``[...]``. ``rng``:
+    one key, or per-row keys ``[R]`` for ``probs [R, V]``.
 
     Zero-probability tokens are never drawn (their log-probability is ``-inf``).
     """
     probs = jnp.asarray(probs)
     if probs.ndim < 1:
         raise ValueError(f"probs must have shape [..., V]; got {probs.shape}")
+    if per_row(rng):
+        draw = jax.vmap(lambda k, lp: jax.random.categorical(k, lp, axis=-1))
+        return draw(rng, jnp.log(probs)).astype(jnp.int32)
     return jax.random.categorical(rng, jnp.log(probs), axis=-1).astype(jnp.int32)
 
 

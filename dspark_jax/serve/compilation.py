@@ -14,7 +14,7 @@ import numpy as np
 
 from dspark_jax.decode.autoregressive import length_bucket
 from dspark_jax.decode.policy import RoundPolicy
-from dspark_jax.decode.step import SpeculativeDecoder
+from dspark_jax.decode.step import SpeculativeDecoder, request_key_data
 from dspark_jax.sched import sps as sps_lib
 
 __all__ = ["MIN_PROMPT_BUCKET", "ServingShapes"]
@@ -65,7 +65,7 @@ class ServingShapes:
 
     def prefill_many(self, state, rows):
         """One prefill call for ``rows`` of ``(slot, ids, max_new, temperature, top_k,
-        top_p)`` (at most ``max(prefill_rows)``): prompts padded to the longest one's
+        top_p, key data)`` (at most ``max(prefill_rows)``): prompts padded to the longest one's
         length bucket, the batch padded to a compiled size with rows aimed at slot
         ``num_slots``, whose cache and state writes are dropped (out-of-range scatter)."""
         n = len(rows)
@@ -78,17 +78,21 @@ class ServingShapes:
         temps = np.zeros((b,), np.float32)
         top_k = np.zeros((b,), np.int32)
         top_p = np.ones((b,), np.float32)
-        for i, (slot, ids, mn, temp, k, p) in enumerate(rows):
+        keys = np.stack([request_key_data(0, i) for i in range(b)])  # padding rows: any
+        for i, (slot, ids, mn, temp, k, p, key) in enumerate(rows):
             slots[i], lengths[i], max_new[i] = slot, len(ids), mn
             prompts[i, : len(ids)] = ids
-            temps[i], top_k[i], top_p[i] = temp, k, p
-        return self.decoder.prefill(state, slots, prompts, lengths, max_new, temps, top_k, top_p)
+            temps[i], top_k[i], top_p[i], keys[i] = temp, k, p, key
+        return self.decoder.prefill(
+            state, slots, prompts, lengths, max_new, temps, top_k, top_p, keys
+        )
 
     def _fill_all_slots(self, state):
         """Prefill every slot with a short dummy prompt that keeps them active."""
         dummy = [self.dummy_id] * 4
         for s in range(self.config.num_slots):
-            state, _ = self.prefill_many(state, [(s, dummy, self.config.max_len, 0.0, 0, 1.0)])
+            row = (s, dummy, self.config.max_len, 0.0, 0, 1.0, request_key_data(0, s))
+            state, _ = self.prefill_many(state, [row])
         return state
 
     # -- compilation ---------------------------------------------------------------------
@@ -133,7 +137,8 @@ class ServingShapes:
                     i += 1
                     if shown:
                         progress("compiling prefill", i, n_prefill, f"{b} x {t} tokens")
-                    state, _ = self.prefill_many(state, [(s, ids, 2, 0, 0, 1) for s in range(b)])
+                    rows = [(s, ids, 2, 0, 0, 1, request_key_data(0, s)) for s in range(b)]
+                    state, _ = self.prefill_many(state, rows)
             state = self._fill_all_slots(state)
 
             def on_bucket(k, i, n):
@@ -141,7 +146,6 @@ class ServingShapes:
 
             state = self.policy.warmup(state, on_bucket if shown else None)
             state = self.decoder.release(state, 0)
-            state = state._replace(rng=jax.random.key(self.config.seed))
         jax.block_until_ready(state.seq_len)
         self._baseline = self.decoder.compiled_executables()
 
@@ -155,7 +159,7 @@ class ServingShapes:
         for t in self.prompt_buckets:
             ids = [1] * min(t, self.max_prompt_tokens)
             for b in self.prefill_rows:
-                rows = [(s, ids, 2, 0, 0, 1) for s in range(b)]
+                rows = [(s, ids, 2, 0, 0, 1, request_key_data(0, s)) for s in range(b)]
                 times = []
                 for _ in range(repeats + 1):  # the first call only warms the caches
                     t0 = time.perf_counter()

@@ -22,15 +22,15 @@ Compilation: every (prefill rows, prompt length bucket) pair and every verify bu
 compiled in ``start()``. ``compilations_after_warmup`` is the growth of the jitted functions'
 ``_cache_size()`` since then; it must stay 0 (tests and ``/metrics`` check it).
 
-Seeds: the decoder has ONE random stream for all slots (``DecodeState.rng``), split once
-per prefill and per round, and the per-slot draws of a round depend on the row's slot. A
-request's samples therefore depend on what else shares its rounds, and exact per-request
-reproducibility under concurrent batching is not possible with this decoder. What the
-engine guarantees: when a request carrying ``seed`` is admitted into an idle engine (no
-other request running or in flight), the stream is reset to ``jax.random.key(seed)``; if
-it also runs alone until it finishes, the same seed gives the same output. Under load the
-seed is accepted but only best-effort. Greedy requests (temperature 0) are deterministic
-regardless and equal plain autoregressive greedy decoding token for token.
+Seeds: every request draws from its own random stream (the decoder's per-slot keys, set at
+admission from the request's ``seed``, or from the engine's seed and the request's number
+when it has none) and advanced only by its own rounds. With the ``none``, ``fixed`` and
+``threshold`` schedulers, which decide a slot's verify length from that slot alone, a
+seeded request's output is therefore the same whatever else the engine is serving. With
+``prefix`` and ``topk`` the verify lengths depend on the other slots' confidences (a shared
+budget), so a seeded sample is exact in distribution but may differ under load. Greedy
+requests (temperature 0) are deterministic regardless and equal plain autoregressive
+greedy decoding token for token.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import jax
 import numpy as np
 
 from dspark_jax.decode.policy import RoundPolicy
-from dspark_jax.decode.step import FINISH_NONE, SpeculativeDecoder
+from dspark_jax.decode.step import FINISH_NONE, SpeculativeDecoder, request_key_data
 from dspark_jax.sched import sps as sps_lib
 from dspark_jax.serve.compilation import ServingShapes
 from dspark_jax.serve.config import EngineConfig, EngineStats
@@ -199,7 +199,11 @@ class Engine(Service):
         ids = self.encode_prompt(prompt)
         if params.max_tokens is None:  # as many as the cache row holds after the prompt
             params = dataclasses.replace(params, max_tokens=self.config.max_len - len(ids))
-        handle = RequestHandle(f"cmpl-{next(self._ids)}", ids, params, loop)
+        number = next(self._ids)
+        handle = RequestHandle(f"cmpl-{number}", ids, params, loop)
+        # The request's random stream (see the module docstring).
+        seed = (params.seed,) if params.seed is not None else (self.config.seed, number, 2)
+        handle.keys = request_key_data(*seed)
         with self._lock:
             if self.starting:
                 raise EngineClosed(
@@ -233,8 +237,7 @@ class Engine(Service):
 
     @property
     def idle(self) -> bool:
-        """Nothing queued, running or in flight (a seeded request admitted now resets the
-        random stream; see the module docstring)."""
+        """Nothing queued, running or in flight."""
         return not self._waiting and not self._inflight and self.active_slots == 0
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -302,17 +305,13 @@ class Engine(Service):
         for s, a in enumerate(self._slots):
             if a is not None and a.handle.cancelled:
                 self._end_on_host(s, a, "cancelled")
-        if len(admitted) == 1:
-            p = admitted[0][1].params
-            if p.seed is not None and not self._inflight and self.active_slots == 0:
-                self._state = self._state._replace(rng=jax.random.key(p.seed))
         group = max(self.prefill_rows)
         t0 = time.perf_counter()
         for start in range(0, len(admitted), group):
             chunk = admitted[start : start + group]
             rows = [
                 (slot, h.prompt_ids, h.params.max_tokens, h.params.temperature,
-                 h.params.top_k, h.params.top_p)
+                 h.params.top_k, h.params.top_p, h.keys)
                 for slot, h in chunk
             ]  # fmt: skip
             self._state, pre = self.shapes.prefill_many(self._state, rows)

@@ -30,6 +30,7 @@ class RequestHandle:
         self._cancelled = threading.Event()
         self.done = threading.Event()
         self.submitted_at = time.perf_counter()
+        self.keys = None  # the request's random stream (key data), set by the engine
 
     # -- engine side ---------------------------------------------------------------------
     def _deliver(self, item) -> None:
