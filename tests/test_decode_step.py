@@ -109,10 +109,15 @@ def _exact_first3(model, params, temperature, top_k, top_p):
 
 
 def _sample_first3(dec, waves, temperature, top_k, top_p, budget=None, buckets=None):
-    """Counts of the first 3 generated tokens over ``waves`` × R slots, all on PROMPT."""
+    """Counts of the first 3 generated tokens over ``waves`` × R slots, all on PROMPT, and
+    the verify lengths admitted by each wave's first round.
+
+    Each request may generate γ + 2 = 4 tokens, so the first round (after the prefill's
+    token) may admit every length 0..γ: multi-draft rejection sampling is what the first
+    three tokens' distribution is checked through."""
     r = dec.config.num_slots
     state = dec.init_state(seed=11)
-    counts = collections.Counter()
+    counts, lengths = collections.Counter(), collections.Counter()
     prompts = np.zeros((r, 16), np.int32)
     prompts[:, : len(PROMPT)] = PROMPT
 
@@ -125,13 +130,15 @@ def _sample_first3(dec, waves, temperature, top_k, top_p, budget=None, buckets=N
             np.arange(r, dtype=np.int32),
             prompts,
             full(len(PROMPT), np.int32),
-            full(3, np.int32),
+            full(dec.gamma + 2, np.int32),
             full(temperature, np.float32),
             full(top_k, np.int32),
             full(top_p, np.float32),
         )
         seqs = [[int(t)] for t in np.asarray(pre.first_token)]
+        first_round = True
         while bool(np.any(np.asarray(state.active))):
+            active = np.asarray(state.active)
             if buckets is not None:  # synchronous two-phase path
                 plan = dec.plan(state)
                 need = int(np.asarray(plan.lengths).sum())
@@ -139,11 +146,14 @@ def _sample_first3(dec, waves, temperature, top_k, top_p, budget=None, buckets=N
             else:
                 state, out = dec.round(state, budget)
             out = jax.device_get(out)
+            if first_round:
+                lengths.update(int(v) for v, a in zip(out.verified, active) if a)
+                first_round = False
             for s in range(r):
                 seqs[s].extend(int(x) for x in out.tokens[s, : out.num_emitted[s]])
-        assert all(len(s) == 3 for s in seqs)
-        counts.update(tuple(s) for s in seqs)
-    return counts
+        assert all(len(s) == dec.gamma + 2 for s in seqs)
+        counts.update(tuple(s[:3]) for s in seqs)
+    return counts, lengths
 
 
 def _chi2_pvalue(counts, probs):
@@ -206,8 +216,11 @@ def test_sampling_is_exact_for_every_scheduler(target, exact_dists, mode):
     if mode == "prefix":
         kwargs = {"buckets": (r // 2, r, r * g)}  # the two-phase (bucketed) path
     for setting in SAMPLING:
-        counts = _sample_first3(dec, WAVES, *setting, **kwargs)
+        counts, lengths = _sample_first3(dec, WAVES, *setting, **kwargs)
         p, chi2 = _chi2_pvalue(counts, exact_dists[setting])
+        # Every admitted length the scheduler can choose occurred (fixed: always γ).
+        assert set(lengths) == ({g} if mode == "fixed" else {0} if mode == "none" else
+                                set(range(g + 1))), (mode, lengths)  # fmt: skip
         assert p > 1e-3, (mode, setting, chi2, p)
         # The same data and test reject a target moved by 2 %: the test has the power.
         p_shift, _ = _chi2_pvalue(counts, _shifted(exact_dists[setting]))
@@ -223,7 +236,7 @@ def test_no_early_stop_variant_is_rejected(target, exact_dists):
     cfg = StepConfig(num_slots=R_EXACT, max_len=24, scheduler="fixed", sampling=True)
     setting = SAMPLING[0]
     broken = NoEarlyStopDecoder(model, params, drafter, dparams, cfg)
-    counts = _sample_first3(broken, WAVES, *setting)
+    counts, _ = _sample_first3(broken, WAVES, *setting)
     p_broken, chi2 = _chi2_pvalue(counts, exact_dists[setting])
     assert p_broken < 1e-6, (chi2, p_broken)
 
@@ -235,7 +248,7 @@ def test_same_rule_with_early_stop_passes(target, exact_dists):
     cfg = StepConfig(num_slots=R_EXACT, max_len=24, scheduler="fixed", sampling=True)
     exact = EarlyStopDecoder(model, params, drafter, dparams, cfg)
     for setting in SAMPLING:
-        p_ok, _ = _chi2_pvalue(_sample_first3(exact, WAVES, *setting), exact_dists[setting])
+        p_ok, _ = _chi2_pvalue(_sample_first3(exact, WAVES, *setting)[0], exact_dists[setting])
         assert p_ok > 1e-3
 
 

@@ -34,6 +34,9 @@ class DrafterKind:
     single_token: one draft token per round (γ fixed at 1).
     sequential_head / confidence: whether a Markov/RNN head and a confidence head exist.
     default_layers: draft layers in DeepSpec's released configs.
+    loss_weights: default (α_CE, α_TV, α_conf) of the block loss (DESIGN §4): DSpark 0.1 CE
+      + 0.9 L1 + 1.0 confidence BCE; DFlash CE only (DeepSpec's DFlash baseline); EAGLE-3
+      and MTP-1 train with the sequence loss instead.
     """
 
     name: str
@@ -43,11 +46,12 @@ class DrafterKind:
     sequential_head: bool
     confidence: bool
     default_layers: int
+    loss_weights: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 DRAFTER_KINDS = {
-    "dspark": DrafterKind("dspark", "kv_rows", True, False, True, True, 5),
-    "dflash": DrafterKind("dflash", "kv_rows", True, False, False, False, 5),
+    "dspark": DrafterKind("dspark", "kv_rows", True, False, True, True, 5, (0.1, 0.9, 1.0)),
+    "dflash": DrafterKind("dflash", "kv_rows", True, False, False, False, 5, (1.0, 0.0, 0.0)),
     "eagle3": DrafterKind("eagle3", "tap_features", False, False, False, False, 1),
     "mtp1": DrafterKind("mtp1", "final_hidden", False, True, False, False, 1),
 }

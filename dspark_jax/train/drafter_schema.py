@@ -9,15 +9,20 @@ from __future__ import annotations
 import ml_collections
 
 from dspark_jax.config import CHOICES, VALIDATORS, ConfigDict
-from dspark_jax.models.drafter_config import HEAD_INITS, HEADS, KINDS, drafter_kind
+from dspark_jax.models.drafter_config import (
+    DRAFTER_KINDS,
+    HEAD_INITS,
+    HEADS,
+    KINDS,
+    drafter_kind,
+)
 from dspark_jax.models.qwen3 import REMAT_POLICIES
 from dspark_jax.train.trainer import default_config
 
 __all__ = ["DEFAULT_ALPHAS", "drafter_default_config", "loss_alphas"]
 
-# Per-kind default loss weights (DESIGN §4): DSpark 0.1 CE + 0.9 L1 + 1.0 confidence BCE;
-# DFlash CE only (DeepSpec's DFlash baseline).
-DEFAULT_ALPHAS = {"dspark": (0.1, 0.9, 1.0), "dflash": (1.0, 0.0, 0.0)}
+# Per-kind default loss weights (DESIGN §4), from the drafter kind registry.
+DEFAULT_ALPHAS = {name: kind.loss_weights for name, kind in DRAFTER_KINDS.items()}
 
 
 def _positive(name):
