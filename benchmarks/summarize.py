@@ -434,6 +434,38 @@ def startup_section(st) -> list[str]:
     ]
 
 
+def soak_section(sk) -> list[str]:
+    if sk is None:
+        return []
+    bad = ", ".join(
+        f"{k} {v['sent']} sent / {next(n for key, n in v.items() if key != 'sent')} answered 400"
+        for k, v in sk["bad_input"].items()
+    )
+    st, rss = sk["sigterm"], sk["rss_mb"]
+    out = [
+        "## Soak (loopback HTTP, bundled models)",
+        "",
+        f"    {sk['command']}",
+        "",
+        f"- {sk['sent']} requests in {sk['wall_seconds']:.1f} s; of the well-formed ones "
+        f"{sk['answered_200']} answered 200 and {sk['completed']} completed with a finish "
+        f"reason (**{sk['lost']} lost**); bad input: {bad}.",
+        f"- After the load: {sk['leaked_slots']:.0f} busy slots, {sk['leaked_queue']:.0f} "
+        f"queued, {sk['compilations_after_warmup']:.0f} compilations after warm-up; resident "
+        f"memory {rss['after_warmup']:.0f} MB after warm-up, {rss['after_load']:.0f} MB after "
+        f"the load ({100 * rss['growth']:+.1f} %).",
+        f"- SIGTERM with {st['in_flight_at_sigterm']} requests in flight: {st['completed']} "
+        f"completed, {st['lost']} lost, exit status {st['exit_status']}; a request sent after "
+        f"the signal: {st['late_request']}.",
+        "",
+        "| kind | p50 s | p99 s |",
+        "|---|---|---|",
+    ]
+    for kind, lat in sk["latency_seconds"].items():
+        out.append(f"| {kind} | {lat['p50']:.3f} | {lat['p99']:.3f} |")
+    return out + [""]
+
+
 def serving_section() -> list[str]:
     runs = [(n, _load(RESULTS / n)) for n in ("serving.json", "serving_t1.json")]
     runs = [(n, d) for n, d in runs if d is not None]
@@ -505,6 +537,7 @@ def main() -> None:
     lines += aot_section()
     lines += roofline_section()
     lines += startup_section(_load(RESULTS / "startup.json"))
+    lines += soak_section(_load(RESULTS / "soak.json"))
     lines += serving_section()
     lines += serving_sim_section()
     (ROOT / "BENCHMARKS.md").write_text("\n".join(lines).rstrip() + "\n")
