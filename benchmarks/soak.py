@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import signal
@@ -28,7 +27,11 @@ import subprocess
 import sys
 import time
 
-import httpx
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import httpx  # noqa: E402
+
+from dspark_jax.perf.results import write_result  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -220,12 +223,7 @@ def main(argv=None) -> dict:
         },  # fmt: skip
         "sigterm": sigterm,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
-    print(json.dumps(summary, indent=2))
-    return summary
+    return write_result(args.out, summary)
 
 
 if __name__ == "__main__":

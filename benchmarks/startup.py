@@ -4,19 +4,22 @@ with it (filling it), and a second start reading it (with the SPS profile cached
 first). Each arm is a fresh process with its own cache directories; results go to
 ``benchmarks/results/startup.json``.
 
-    python benchmarks/startup.py [--slots 8] [--max-len 512]
+    python benchmarks/startup.py [-- serve.py arguments; default --slots 8 --max-len 512]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dspark_jax.perf.results import write_result  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -54,13 +57,13 @@ def time_start(port: int, cache: str | None, sps: str, extra: list[str], timeout
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--slots", type=int, default=8)
-    ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--port", type=int, default=8913)
-    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per start")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "startup.json"))
+    ap.add_argument("serve_args", nargs="*", help="passed to serve.py (after --), e.g. --slots 16")
     args = ap.parse_args(argv)
-    extra = ["--slots", str(args.slots), "--max-len", str(args.max_len)]
+    # The server shape the recorded figures used, unless the caller gives its own.
+    extra = args.serve_args or ["--slots", "8", "--max-len", "512"]
     with tempfile.TemporaryDirectory() as tmp:
         cache, sps_cold, sps = (os.path.join(tmp, n) for n in ("jax", "sps0.json", "sps.json"))
         arms = {
@@ -73,19 +76,14 @@ def main(argv=None) -> dict:
             ),
         }
     result = {
-        "command": "python benchmarks/startup.py " + " ".join(extra),
+        "command": "python benchmarks/startup.py -- " + " ".join(extra),
         "seconds_to_healthy": {k: round(v, 1) for k, v in arms.items()},
         "second_over_cold": round(
             arms["second start (cache + SPS profile)"] / arms["cold, no compilation cache"], 3
         ),
         "machine": {"cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
-    print(json.dumps(result, indent=2))
-    return result
+    return write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -331,17 +331,20 @@ def roofline_section() -> list[str]:
     return out
 
 
+def _table_head(title: str, command: str, columns: list[str], intro=()) -> list[str]:
+    """A section's heading, its command and the head of its table."""
+    return [title, "", f"    {command}", "", *intro,
+            "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]  # fmt: skip
+
+
 def compile_section(ct) -> list[str]:
     if ct is None:
         return []
-    out = [
+    out = _table_head(
         "## Forward compile time with abstract parameters",
-        "",
-        "    python benchmarks/compile_time.py",
-        "",
-        "| preset | layers | params | lower s | compile s |",
-        "|---|---|---|---|---|",
-    ]
+        "python benchmarks/compile_time.py",
+        ["preset", "layers", "params", "lower s", "compile s"],
+    )
     for r in ct["rows"]:
         out.append(
             f"| {r['preset']} | {r['layers']} | {r['params'] / 1e6:.1f} M | {r['lower_s']:.2f} | "
@@ -412,17 +415,14 @@ def _serving_table(name: str, data: dict) -> list[str]:
 def startup_section(st) -> list[str]:
     if st is None:
         return []
-    out = [
-        "## Server start-up (compilation cache)",
-        "",
-        f"    {st['command']}",
-        "",
+    intro = (
         "Seconds from `python serve.py` (bundled target + DSpark, dynamic top-K) until "
         "`/health` answers 200, each arm a fresh process on this machine:",
         "",
-        "| start | seconds |",
-        "|---|---|",
-    ]
+    )
+    out = _table_head(
+        "## Server start-up (compilation cache)", st["command"], ["start", "seconds"], intro
+    )
     for arm, sec in st["seconds_to_healthy"].items():
         out.append(f"| {arm} | {sec:.1f} |")
     return out + [
