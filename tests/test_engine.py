@@ -209,7 +209,11 @@ def test_seeded_output_does_not_depend_on_the_load(setup, scheduler):
     and amid other sampled requests sharing its rounds (admitted in a different slot)."""
     tok, target, tp, _ = setup
     _, _, drafter, dp = tiny_random_models(tok, "dspark", gamma=3, max_len=MAX_LEN)
-    cfg = EngineConfig(num_slots=SLOTS, max_len=MAX_LEN, scheduler=scheduler, max_queue=32)
+    # One verify bucket, R·γ (always compiled): the rounds' shapes do not matter here.
+    cfg = EngineConfig(
+        num_slots=SLOTS, max_len=MAX_LEN, scheduler=scheduler, max_queue=32,
+        verify_buckets=(SLOTS * 3,),
+    )  # fmt: skip
     engine = Engine(target, tp, tok, drafter, dp, cfg).start()
     try:
         seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=2**40 + 7)
