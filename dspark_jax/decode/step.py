@@ -45,6 +45,7 @@ bucket ``K >= Σ l`` and verifies the *same* drafts in it, so pruning saves real
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -66,11 +67,17 @@ FINISH_NAMES = {FINISH_NONE: None, FINISH_EOS: "eos", FINISH_LENGTH: "length"}
 SCHEDULER_MODES = ("none", "fixed", "threshold", "prefix", "topk")
 
 
+@functools.cache
+def _key_data_shape() -> tuple[int, ...]:
+    """Key data shape of the default PRNG implementation (traced once, not per request)."""
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+
+
 def request_key_data(*seed: int) -> np.ndarray:
     """Key data of the random stream for ``seed`` (any non-negative integers, e.g. a
     request's seed, or a run seed and a request index), computed on the host: the full
     64-bit seed counts (``jax.random.key`` keeps 32 bits without x64)."""
-    shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+    shape = _key_data_shape()
     return (
         np.random.SeedSequence([int(x) for x in seed])
         .generate_state(int(np.prod(shape)), np.uint32)
