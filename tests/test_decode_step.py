@@ -12,7 +12,7 @@ from scipy import stats
 
 from dspark_jax.decode.autoregressive import generate as ar_generate
 from dspark_jax.decode.runner import Request, Runner
-from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
+from dspark_jax.decode.step import SpeculativeDecoder, StepConfig, request_key_data
 from dspark_jax.models.draft_api import DraftContext, SamplingSettings
 from dspark_jax.models.drafters import DrafterConfig, init_drafter_params, make_drafter
 from dspark_jax.models.presets import PRESETS
@@ -108,13 +108,14 @@ def _exact_first3(model, params, temperature, top_k, top_p):
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def _sample_first3(dec, waves, temperature, top_k, top_p, budget=None, buckets=None):
+def _sample_first3(dec, waves, temperature, top_k, top_p, budget=None, buckets=None, coupled=False):
     """Counts of the first 3 generated tokens over ``waves`` × R slots, all on PROMPT, and
     the verify lengths admitted by each wave's first round.
 
     Each request may generate γ + 2 = 4 tokens, so the first round (after the prefill's
     token) may admit every length 0..γ: multi-draft rejection sampling is what the first
-    three tokens' distribution is checked through."""
+    three tokens' distribution is checked through. ``coupled``: position-keyed requests,
+    each with its own seed (a coupled slot's key never advances by itself)."""
     r = dec.config.num_slots
     state = dec.init_state(seed=11)
     counts, lengths = collections.Counter(), collections.Counter()
@@ -124,7 +125,7 @@ def _sample_first3(dec, waves, temperature, top_k, top_p, budget=None, buckets=N
     def full(x, dtype):
         return np.full((r,), x, dtype)
 
-    for _ in range(waves):
+    for w in range(waves):
         state, pre = dec.prefill(
             state,
             np.arange(r, dtype=np.int32),
@@ -134,6 +135,11 @@ def _sample_first3(dec, waves, temperature, top_k, top_p, budget=None, buckets=N
             full(temperature, np.float32),
             full(top_k, np.int32),
             full(top_p, np.float32),
+            *(
+                (np.stack([request_key_data(7, w, s) for s in range(r)]), full(1, bool))
+                if coupled
+                else ()
+            ),
         )
         seqs = [[int(t)] for t in np.asarray(pre.first_token)]
         first_round = True
@@ -227,6 +233,60 @@ def test_sampling_is_exact_for_every_scheduler(target, exact_dists, mode):
         p_shift, _ = _chi2_pvalue(counts, _shifted(exact_dists[setting], 0.03))
         assert p_shift < 1e-3, (mode, setting, p_shift)
     assert dec._round._cache_size() + dec._commit._cache_size() <= 3
+
+
+def test_coupled_sampling_is_exact_through_the_step(target, exact_dists):
+    """Position-keyed (coupled) verification through the real step, Algorithm 1's bucketed
+    path admitting every length 0..γ: the first three tokens follow the target exactly
+    (top-k/top-p included), and the test keeps its power (a 3 % move is rejected)."""
+    model, params = target
+    drafter, dparams = _sensitive_drafter()
+    r, g = R_EXACT, 2
+    table = 1.0 / (1.0 + jnp.arange(r * (g + 1) + 1) / (1.5 * r))
+    cfg = StepConfig(num_slots=r, max_len=24, scheduler="prefix", sampling=True)
+    dec = SpeculativeDecoder(model, params, drafter, dparams, cfg, sps_table=table)
+    for setting in SAMPLING:
+        counts, lengths = _sample_first3(
+            dec, WAVES, *setting, buckets=(r // 2, r, r * g), coupled=True
+        )
+        assert set(lengths) == set(range(g + 1)), lengths
+        p, chi2 = _chi2_pvalue(counts, exact_dists[setting])
+        assert p > 1e-3, (setting, chi2, p)
+        assert _chi2_pvalue(counts, _shifted(exact_dists[setting], 0.03))[0] < 1e-3
+
+
+@pytest.mark.parametrize(
+    "mode", ["prefix"] + [pytest.param(m, marks=pytest.mark.slow) for m in ("fixed", "topk")]
+)
+def test_coupled_output_is_the_same_whatever_the_scheduler_and_load(target, mode):
+    """A coupled request's tokens depend on its seed and prompt alone: the same under every
+    scheduler, alone or among other sampled requests, in any slot, and without a drafter
+    (plain decoding draws the same position-keyed tokens). Standard draws do not have this
+    property under Algorithm 1 (their verify lengths depend on the other slots)."""
+    model, params = target
+    drafter, dparams = _drafter("dspark", gamma=4)
+    coupled = [
+        Request([3, 7, 1], 14, 1.0, seed=11, coupled=True),
+        Request([5, 6, 7, 8], 12, 0.8, top_k=6, top_p=0.9, seed=2**40 + 3, coupled=True),
+        Request([9], 10, 1.2, seed=5, coupled=True),
+    ]
+    others = [Request(PROMPTS[i] + [i], 5 + 2 * i, 1.0) for i in range(5)]
+    loaded = others[:2] + coupled[:1] + others[2:4] + coupled[1:] + others[4:]
+
+    def run(drafter_, mode, requests, slots):
+        table = 1.0 / (1.0 + jnp.arange(slots * 5 + 1) / (3 * slots))
+        dec = SpeculativeDecoder(
+            model, params, drafter_, dparams if drafter_ else None,
+            StepConfig(num_slots=slots, max_len=40, scheduler=mode, sampling=True, threshold=0.3),
+            sps_table=table if mode in ("prefix", "topk") else None,
+        )  # fmt: skip
+        buckets = (2, slots * 2, slots * 4) if mode in ("prefix", "topk") else None
+        res, _ = Runner(dec, buckets=buckets, seed=len(mode)).generate(requests)
+        return {tuple(q.prompt): r.tokens for q, r in zip(requests, res) if q.coupled}
+
+    want = run(None, "none", coupled, 1)  # alone, one slot, no drafter
+    assert all(len(t) == q.max_new_tokens for q, t in zip(coupled, want.values()))
+    assert run(drafter, mode, loaded, 3) == want, mode
 
 
 def test_no_early_stop_variant_is_rejected(target, exact_dists):

@@ -12,10 +12,11 @@ from dspark_jax.decode.verify import (
     PAD_TOKEN,
     acceptance_probability,
     residual_distribution,
+    verify_coupled,
     verify_greedy,
     verify_sampling,
 )
-from dspark_jax.ops.sampling import process_logits, sample
+from dspark_jax.ops.sampling import gumbel_max, position_keys, process_logits, sample
 
 # ---------------------------------------------------------------------------------------
 # process_logits
@@ -326,3 +327,83 @@ def test_verify_compiles_once_per_shape():
         n = (jnp.arange(r) + i) % (g + 1)
         verify_sampling(jax.random.key(i), drafts, probs[:, :g], probs, n, active.at[i].set(False))
     assert verify_sampling._cache_size() == before
+
+
+# ---------------------------------------------------------------------------------------
+# verify_coupled: position-keyed Gumbel-max, exact and independent of what was drafted
+
+
+def test_gumbel_max_draws_what_categorical_draws():
+    """``sample`` with per-row keys is written as Gumbel-max; it must draw exactly the
+    tokens ``jax.random.categorical`` draws (the random streams did not change)."""
+    keys = jax.random.split(jax.random.key(3), 64)
+    logp = jax.nn.log_softmax(jax.random.normal(jax.random.key(1), (64, 300)))
+    logp = logp.at[:, :40].set(-jnp.inf)  # filtered tokens
+    want = jax.vmap(jax.random.categorical)(keys, logp)
+    np.testing.assert_array_equal(jax.vmap(gumbel_max)(keys, logp), want)
+    np.testing.assert_array_equal(sample(keys, jnp.exp(logp)), want)
+
+
+@partial(jax.jit, static_argnames="coupled")
+def _coupled_round(base, start, ctx, p_t, p_d, n_verify, coupled=True):
+    """One round from token ``ctx [R]`` at position ``start``: draft ``k`` is drawn with the
+    key of its position ``start + 1 + k`` (``coupled=False``: with unrelated keys)."""
+    keys = position_keys(base, start[:, None] + 1 + jnp.arange(GAMMA + 1)[None, :])
+    draft_keys = (
+        keys
+        if coupled
+        else jax.vmap(lambda k: jax.random.split(k, GAMMA + 1))(
+            jax.vmap(lambda k: jax.random.fold_in(k, 99))(base)
+        )
+    )
+    toks, tps, prev = [], [p_t[ctx]], ctx
+    for k in range(GAMMA):
+        x = sample(draft_keys[:, k], p_d[prev])
+        toks.append(x)
+        tps.append(p_t[x])
+        prev = x
+    return verify_coupled(keys, jnp.stack(toks, 1), jnp.stack(tps, 1), n_verify)
+
+
+def _coupled_first_two(p_t, p_d, n_verify, coupled=True, seed=0):
+    base = jax.random.split(jax.random.key(seed), R)
+    ctx, zero = jnp.zeros(R, jnp.int32), jnp.zeros(R, jnp.int32)
+    acc, _, out = _coupled_round(base, zero, ctx, p_t, p_d, n_verify, coupled)
+    y1 = out[:, 0]
+    _, _, out2 = _coupled_round(base, zero + 1, y1, p_t, p_d, n_verify, coupled)
+    y2 = jnp.where(acc >= 1, out[:, 1], out2[:, 0])
+    return np.asarray(y1), np.asarray(y2), np.asarray(acc)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", PROCESSING[::3])
+def test_verify_coupled_matches_target_and_ignores_the_drafts(temperature, top_k, top_p):
+    """The emitted tokens are the target's Gumbel-max draws: the same tokens whatever
+    number of drafts is verified (0 = plain target sampling) and distributed exactly as the
+    target (chi-square of the first token and the first pair)."""
+    p_t, p_d = _markov_tables(7, temperature, top_k, top_p)
+    none = _coupled_first_two(p_t, p_d, jnp.zeros(R, jnp.int32))
+    every = _coupled_first_two(p_t, p_d, jnp.full(R, GAMMA, jnp.int32))
+    mixed = _coupled_first_two(p_t, p_d, jnp.arange(R, dtype=jnp.int32) % (GAMMA + 1))
+    for run in (every, mixed):
+        np.testing.assert_array_equal(run[0], none[0])
+        np.testing.assert_array_equal(run[1], none[1])
+    assert every[2].mean() > 0.5  # drafts were accepted, yet changed nothing
+    pt = np.asarray(p_t, np.float64)
+    y1, y2, _ = none
+    assert _chi2_pvalue(y1, pt[0]) > ALPHA
+    assert _chi2_pvalue(y1 * V + y2, pt[0][:, None] * pt) > ALPHA
+
+
+def test_verify_coupled_acceptance_between_independent_and_speculative_sampling():
+    """Sharing the position's noise is what makes coupled drafts acceptable: the first
+    draft is accepted far more often than with unrelated noise (Σ p_t·p_d), and no more
+    often than speculative sampling's 1 − TV (the best any coupling can do)."""
+    p_t, p_d = _markov_tables(7, 1.0, 0, 1.0)
+    n = jnp.full(R, GAMMA, jnp.int32)
+    coupled = (_coupled_first_two(p_t, p_d, n)[2] >= 1).mean()
+    unrelated = (_coupled_first_two(p_t, p_d, n, coupled=False)[2] >= 1).mean()
+    pt, pd = np.asarray(p_t[0], np.float64), np.asarray(p_d[0], np.float64)
+    one_minus_tv = np.minimum(pt, pd).sum()
+    assert abs(unrelated - (pt * pd).sum()) < 0.01, (unrelated, (pt * pd).sum())
+    assert coupled > unrelated + 0.1, (coupled, unrelated)
+    assert coupled <= one_minus_tv + 0.01, (coupled, one_minus_tv)

@@ -71,6 +71,9 @@ class Request:
     top_p: float = 1.0
     prompt_index: int = 0
     seed: int | None = None  # the request's random stream (None: from the runner's seed)
+    # Position-keyed draws (decode.verify.verify_coupled): the output is a function of the
+    # seed and prompt alone, whatever the scheduler and the other requests.
+    coupled: bool = False
 
 
 class Runner:
@@ -160,6 +163,7 @@ class Runner:
                         np.array([req.top_k], np.int32),
                         np.array([req.top_p], np.float32),
                         self.request_keys(idx, req)[None],
+                        np.array([req.coupled]),
                     )
                     first, code = int(pre.first_token[0]), int(pre.finish[0])
                     results[idx] = SampleResult(idx, req.prompt_index, [first], "", [], [])

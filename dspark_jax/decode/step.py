@@ -33,6 +33,11 @@ Random streams: every slot has its own key (``slot_keys[r]``, key data), set at 
 from the request's seed and split once per round the slot is active: a request's draws
 (first token, drafts, acceptance uniforms, residual/bonus token) come from its own stream
 only, whatever else shares the rounds (``request_key_data`` turns a seed into key data).
+A *coupled* slot (``coupled[r]``, chosen at prefill) instead keeps its key fixed and draws
+the token at sequence position ``t`` with the noise of ``fold_in(key, t)``, in the drafter
+and in verification alike (``verify.verify_coupled``): its output is the target's own
+Gumbel-max sample for that key, identical whatever the scheduler, the verify budget or
+the other slots (up to floating-point ties of the target's logits).
 
 A round is two pure pieces: ``plan`` (steps 1-2: drafts, survival, capped lengths) and
 ``commit`` (steps 3-4, compiled per K). ``round`` fuses them in one executable. The
@@ -53,10 +58,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.decode.verify import verify_greedy, verify_sampling
+from dspark_jax.decode.verify import verify_coupled, verify_greedy, verify_sampling
 from dspark_jax.models.draft_api import DraftContext, SamplingSettings
 from dspark_jax.models.qwen3 import KVCache, Qwen3, init_cache
-from dspark_jax.ops.sampling import process_logits, sample, split_keys
+from dspark_jax.ops.sampling import (
+    StepKeys,
+    position_keys,
+    process_logits,
+    sample,
+    split_keys,
+)
 from dspark_jax.sched import policies
 
 Array = jax.Array
@@ -97,6 +108,7 @@ class DecodeState(NamedTuple):
     top_k: Array  # [R] int32
     top_p: Array  # [R] float32
     slot_keys: Array  # [R, ...] uint32 key data: each slot's random stream
+    coupled: Array  # [R] bool: position-keyed (load-invariant) draws, see module docstring
 
 
 class RoundOutput(NamedTuple):
@@ -276,6 +288,7 @@ class SpeculativeDecoder:
             slot_keys=jnp.asarray(
                 np.stack([request_key_data(seed, s) for s in range(r)]), jnp.uint32
             ),
+            coupled=jnp.zeros((r,), bool),
         )
 
     @property
@@ -312,21 +325,45 @@ class SpeculativeDecoder:
 
     # -- prefill ----------------------------------------------------------------------
     def prefill(
-        self, state, slots, prompts, lengths, max_new, temperature, top_k, top_p, keys=None
+        self,
+        state,
+        slots,
+        prompts,
+        lengths,
+        max_new,
+        temperature,
+        top_k,
+        top_p,
+        keys=None,
+        coupled=None,
     ):
         """Insert prompts ``[B, T]`` (right-padded) into ``slots [B]`` and sample token 1.
 
         ``keys [B, ...]``: each row's random stream as key data (``request_key_data``);
-        None: each slot continues its own stream. A row whose slot is ``>= num_slots`` is
-        computed but writes nothing (batch padding).
+        None: each slot continues its own stream. ``coupled [B]`` bool: rows whose draws are
+        keyed by position (load-invariant, see the module docstring); None: none. A row
+        whose slot is ``>= num_slots`` is computed but writes nothing (batch padding).
         """
         if keys is None:
             keys = state.slot_keys[jnp.minimum(jnp.asarray(slots), self.config.num_slots - 1)]
-        args = (slots, prompts, lengths, max_new, temperature, top_k, top_p, keys)
+        if coupled is None:
+            coupled = np.zeros(np.shape(slots), bool)
+        args = (slots, prompts, lengths, max_new, temperature, top_k, top_p, keys, coupled)
         return self._prefill(self._params, state, *(jnp.asarray(a) for a in args))
 
     def _prefill_impl(
-        self, params, state, slots, prompts, lengths, max_new, temperature, top_k, top_p, keys
+        self,
+        params,
+        state,
+        slots,
+        prompts,
+        lengths,
+        max_new,
+        temperature,
+        top_k,
+        top_p,
+        keys,
+        coupled,
     ):
         c = self.config
         tp = params[0]
@@ -343,12 +380,18 @@ class SpeculativeDecoder:
         )
         last_h = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
         logits = self._lm_head_fn(tp)(last_h)
-        # The row's stream: one split for the first token, the rest is the slot's key.
-        split = split_keys(jax.random.wrap_key_data(keys.astype(jnp.uint32)), 2)
+        # The row's stream: one split for the first token, the rest is the slot's key. A
+        # coupled row keeps its key and draws the token at position ``length`` from it.
+        base = jax.random.wrap_key_data(keys.astype(jnp.uint32))
+        split = split_keys(base, 2)
+        coupled = coupled.astype(bool)
         if c.sampling:
-            first = sample(split[1], process_logits(logits, temperature, top_k, top_p))
+            probs = process_logits(logits, temperature, top_k, top_p)
+            first_key = _select_keys(coupled, position_keys(base, lengths[:, None])[:, 0], split[1])
+            first = sample(first_key, probs)
         else:
             first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        next_keys = _select_keys(coupled, base, split[0])
 
         # Drafter context: features and tokens of prompt positions 0..len-1.
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -384,7 +427,8 @@ class SpeculativeDecoder:
             temperature=put(state.temperature, temperature),
             top_k=put(state.top_k, top_k),
             top_p=put(state.top_p, top_p),
-            slot_keys=put(state.slot_keys, jax.random.key_data(split[0])),
+            slot_keys=put(state.slot_keys, jax.random.key_data(next_keys)),
+            coupled=put(state.coupled, coupled),
         )
         return state, PrefillOutput(first, finish)
 
@@ -467,15 +511,18 @@ class SpeculativeDecoder:
     def _plan_impl(self, params, state: DecodeState, budget: int) -> Plan:
         c = self.config
         # Each slot's stream: next key, draft draws, verification draws. Only active slots
-        # advance, so a request's draws depend on its own rounds alone.
+        # advance, so a request's draws depend on its own rounds alone; coupled slots keep
+        # their key and draw draft k with the key of its position, seq_len + 1 + k.
         active = state.active
-        nxt, draft_keys, verify_keys = split_keys(jax.random.wrap_key_data(state.slot_keys), 3)
-        slot_keys = jnp.where(
-            active.reshape((-1,) + (1,) * (state.slot_keys.ndim - 1)),
-            jax.random.key_data(nxt),
-            state.slot_keys,
+        base = jax.random.wrap_key_data(state.slot_keys)
+        nxt, draft_keys, verify_keys = split_keys(base, 3)
+        slot_keys = jax.random.key_data(_select_keys(active & ~state.coupled, nxt, base))
+        step_keys = _select_keys(
+            state.coupled[None, :],
+            jnp.swapaxes(self._position_keys(state), 0, 1)[: self.gamma],
+            split_keys(draft_keys, self.gamma),
         )
-        draft_tokens, draft_probs, conf, _ = self._draft(params, state, draft_keys)
+        draft_tokens, draft_probs, conf, _ = self._draft(params, state, StepKeys(step_keys))
         survival = jnp.cumprod(conf, axis=1)
         lengths = self._schedule(survival, active, budget, params[2])
         # Cap by cache room and max_new so no write goes past max_len (lengths only).
@@ -494,6 +541,12 @@ class SpeculativeDecoder:
 
     def _round_impl(self, params, state: DecodeState, budget: int):
         return self._commit_impl(params, state, self._plan_impl(params, state, budget), budget)
+
+    def _position_keys(self, state: DecodeState) -> Array:
+        """Coupled draws' keys ``[R, γ+1]``: key ``j`` of slot ``r`` is that of sequence
+        position ``seq_len[r] + 1 + j`` (draft ``j``; ``j = γ`` the bonus position)."""
+        pos = state.seq_len[:, None] + 1 + jnp.arange(self.gamma + 1, dtype=jnp.int32)
+        return position_keys(jax.random.wrap_key_data(state.slot_keys), pos)
 
     def _draft(self, params, state, key):
         g, r = self.gamma, self.config.num_slots
@@ -596,8 +649,21 @@ class SpeculativeDecoder:
         if c.sampling:
             p_temp, p_k, p_p = (x[p_slot] for x in (state.temperature, state.top_k, state.top_p))
             target_probs = process_logits(logits, p_temp, p_k, p_p)[gather_rows]
-            accepted, next_tok, out_tokens = verify_sampling(
+            verified = verify_sampling(
                 verify_key, draft_tokens, draft_probs, target_probs, lengths, active
+            )
+            coupled = state.coupled & active
+            # The Gumbel noise over [R, γ+1, V] is drawn only in rounds with a coupled slot.
+            accepted, next_tok, out_tokens = jax.lax.cond(
+                jnp.any(coupled),
+                lambda: jax.tree.map(
+                    lambda a, b: jnp.where(coupled.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
+                    verify_coupled(
+                        self._position_keys(state), draft_tokens, target_probs, lengths, active
+                    ),
+                    verified,
+                ),
+                lambda: verified,
             )
         else:
             target_argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)[gather_rows]
@@ -658,6 +724,14 @@ class SpeculativeDecoder:
             draft_tokens=draft_tokens,
         )
         return new_state, out
+
+
+def _select_keys(which: Array, if_true: Array, if_false: Array) -> Array:
+    """Typed keys chosen elementwise (``which`` broadcasts over the keys' shape)."""
+    a, b = jax.random.key_data(if_true), jax.random.key_data(if_false)
+    return jax.random.wrap_key_data(
+        jnp.where(which.reshape(which.shape + (1,) * (a.ndim - which.ndim)), a, b)
+    )
 
 
 def _cap_total(lengths: Array, budget: int) -> Array:

@@ -13,6 +13,12 @@ Outputs (all int32), per slot ``r``:
     ``accepted_len + 1`` tokens are valid, so τ for the round is ``accepted_len + 1``.
 Inactive slots (``active[r] == False``) report ``accepted_len = 0``,
 ``next_token = PAD_TOKEN`` and an all-``PAD_TOKEN`` row; callers must not commit them.
+
+Two lossless rules for sampled drafts: ``verify_sampling`` (speculative sampling, Leviathan
+et al. / Chen et al.: accept with ``min(1, p_t/p_d)``, resample from the residual) and
+``verify_coupled`` (Gumbel-max with noise keyed by sequence position: the emitted token at
+every position is the target's own Gumbel-max draw, so the output does not depend on the
+drafts, the scheduler or the other slots; it accepts less often, see its docstring).
 """
 
 from __future__ import annotations
@@ -20,12 +26,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.ops.sampling import sample, split_keys, uniform
+from dspark_jax.ops.sampling import gumbel_max, sample, split_keys, uniform
 
 __all__ = [
     "PAD_TOKEN",
     "acceptance_probability",
     "residual_distribution",
+    "verify_coupled",
     "verify_greedy",
     "verify_sampling",
 ]
@@ -176,3 +183,45 @@ def verify_sampling(rng, draft_tokens, draft_probs, target_probs, n_verify, acti
         return sample(k_sample, dist)
 
     return _assemble(draft_tokens, accept, n, active, next_from_len)
+
+
+@jax.jit
+def verify_coupled(position_keys, draft_tokens, target_probs, n_verify, active=None):
+    """Position-keyed Gumbel-max verification: lossless, and load-invariant for a seed.
+
+    The target's token at each position is drawn as ``argmax(log p_t + G)`` with Gumbel
+    noise ``G`` from that position's key; drafts are accepted while they equal those
+    tokens, and the token after the accepted prefix is the target's draw there. The
+    emitted token at position ``t`` is therefore ``argmax(log p_t(· | prefix) + G_t)`` in
+    every case: an exact sample of the target (Gumbel-max trick; ``G_t`` is independent of
+    everything before ``t``), and the same token whatever was drafted, how many drafts
+    were verified or what other slots did. A drafter that drew draft ``k`` with the same
+    key (``ops.sampling.StepKeys`` from ``position_keys``) shares the noise, so it is
+    accepted whenever both distributions' perturbed argmaxes agree: often when ``p_d`` is
+    close to ``p_t``, but less often than ``min(1, p_t/p_d)`` acceptance (the cost is
+    measured by ``benchmarks/acceptance.py --verification coupled``).
+
+    Args:
+      position_keys: typed keys ``[R, γ+1]``; key ``j`` belongs to the position target row
+        ``j`` predicts (draft ``j``'s position; ``γ`` is the bonus position).
+      draft_tokens: int ``[R, γ]``.
+      target_probs: float ``[R, γ+1, V]`` processed target distributions.
+      n_verify: int ``[R]`` admitted draft tokens per slot (clipped to ``[0, γ]``).
+      active: optional bool ``[R]``; inactive slots report nothing (see module docstring).
+
+    Returns:
+      ``(accepted_len [R], next_token [R], out_tokens [R, γ+1])``, int32.
+    """
+    target_probs = jnp.asarray(target_probs, jnp.float32)
+    draft_tokens = jnp.asarray(draft_tokens).astype(jnp.int32)
+    r, g1 = draft_tokens.shape[0], draft_tokens.shape[1] + 1
+    if position_keys.shape != (r, g1) or target_probs.shape[:2] != (r, g1):
+        raise ValueError(
+            f"position_keys {position_keys.shape} and target_probs {target_probs.shape} must "
+            f"be [R, γ+1] = [{r}, {g1}] (and [R, γ+1, V]) for draft_tokens {draft_tokens.shape}"
+        )
+    v = target_probs.shape[-1]
+    target_tok = jax.vmap(gumbel_max)(
+        position_keys.reshape(-1), jnp.log(target_probs).reshape(r * g1, v)
+    ).reshape(r, g1)
+    return verify_greedy(draft_tokens, target_tok.astype(jnp.int32), n_verify, active)

@@ -9,7 +9,8 @@ All drafters share one signature::
 (``DrafterKind.context``): tap features ``[R, M, len(taps)·d]``, the final hidden state
 ``[R, M, d]`` (MTP-1), or, with ``cached=True``, the per-layer K/V rows DSpark/DFlash
 project once per position (``context_cache``). EAGLE-3 and MTP-1 also read the committed
-tokens (``DraftContext.tokens``). Token k of a block is drawn with ``split(rng, G)[k]``.
+tokens (``DraftContext.tokens``). Token k of a block is drawn with ``split_keys(rng, G)[k]``
+(``rng``: one key, per-slot keys ``[R]``, or ``StepKeys`` the decode step derived).
 """
 
 from __future__ import annotations

@@ -17,7 +17,10 @@ import numpy as np
 
 __all__ = [
     "SamplingSettings",
+    "StepKeys",
+    "gumbel_max",
     "per_row",
+    "position_keys",
     "process_logits",
     "sample",
     "split_keys",
@@ -107,6 +110,32 @@ def process_logits(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0) -> ja
     return jnp.where(greedy, one_hot, probs)
 
 
+@flax.struct.dataclass
+class StepKeys:
+    """Keys a caller derived per draw: ``keys [n, R]``, draw ``k`` of row ``r`` uses
+    ``keys[k, r]``. ``split_keys`` hands them over unchanged, so a drafter that draws token
+    ``k`` with ``split_keys(rng, n)[k]`` can be given, e.g., position-keyed keys (the
+    coupled verification of ``decode.verify.verify_coupled``)."""
+
+    keys: jax.Array
+
+
+def position_keys(base: jax.Array, positions: jax.Array) -> jax.Array:
+    """``fold_in(base[r], positions[r, j])``: typed keys ``[R, n]``, one per row and
+    absolute sequence position, fixed by the row's base key and the position alone."""
+    fold = jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)), in_axes=(0, 0))
+    return fold(base, jnp.asarray(positions, jnp.uint32))
+
+
+def gumbel_max(key: jax.Array, logp: jax.Array) -> jax.Array:
+    """``argmax(log p + G)`` with ``G`` standard Gumbel noise over ``logp [V]`` drawn from
+    ``key``: an exact sample of ``p`` (the Gumbel-max trick; ``-inf`` entries are never
+    drawn). Two distributions drawn with the same key share the noise, which is what
+    couples a draft token to the target's token at the same position."""
+    noise = jax.random.gumbel(key, logp.shape, jnp.float32)
+    return jnp.argmax(logp.astype(jnp.float32) + noise, axis=-1)
+
+
 def per_row(rng) -> bool:
     """``rng`` is a batch of keys, one per row (``[R]``), rather than one key: each row
     then draws from its own stream, whatever the other rows are (per-request seeds)."""
@@ -115,7 +144,12 @@ def per_row(rng) -> bool:
 
 def split_keys(rng: jax.Array, n: int) -> jax.Array:
     """``n`` keys from one key (``[n]``), or ``n`` per row from per-row keys (``[n, R]``,
-    so ``split_keys(rng, n)[k]`` is always what draw ``k`` of every row uses)."""
+    so ``split_keys(rng, n)[k]`` is always what draw ``k`` of every row uses); ``StepKeys``
+    are returned as they are."""
+    if isinstance(rng, StepKeys):
+        if rng.keys.shape[0] != n:
+            raise ValueError(f"StepKeys hold {rng.keys.shape[0]} draws per row; {n} requested")
+        return rng.keys
     if per_row(rng):
         return jax.vmap(lambda k: jax.random.split(k, n), out_axes=1)(rng)
     return jax.random.split(rng, n)
@@ -138,8 +172,9 @@ def sample(rng: jax.Array, probs: jax.Array) -> jax.Array:
     if probs.ndim < 1:
         raise ValueError(f"probs must have shape [..., V]; got {probs.shape}")
     if per_row(rng):
-        draw = jax.vmap(lambda k, lp: jax.random.categorical(k, lp, axis=-1))
-        return draw(rng, jnp.log(probs)).astype(jnp.int32)
+        # gumbel_max draws exactly what jax.random.categorical draws for one row's key
+        # (checked in tests), and is the form the coupled verification relies on.
+        return jax.vmap(gumbel_max)(rng, jnp.log(probs)).astype(jnp.int32)
     return jax.random.categorical(rng, jnp.log(probs), axis=-1).astype(jnp.int32)
 
 
