@@ -58,6 +58,13 @@ def parse_args(argv=None):
     p.add_argument(
         "--prefill-batch", type=int, default=4, help="requests prefilled together in one call"
     )
+    p.add_argument(
+        "--seeded-verification",
+        default="coupled",
+        choices=["coupled", "standard"],
+        help="requests with a seed: coupled (default; output identical whatever the load "
+        "and scheduler) or standard rejection sampling (accepts more drafts)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default=None, help="name reported by /v1/models")
@@ -152,6 +159,7 @@ def build_engine(args, drafter_dir, scheduler, models=None):
         scheduler=scheduler,
         max_queue=args.max_queue,
         prefill_batch=args.prefill_batch,
+        seeded_verification=args.seeded_verification,
         threshold=args.threshold,
         sps_cache=args.sps_cache or default_cache_path(),
         model_name=name,

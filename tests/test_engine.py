@@ -202,17 +202,24 @@ def test_seeded_request_alone_is_reproducible(setup):
     assert a.token_ids == b.token_ids
 
 
-@pytest.mark.parametrize("scheduler", ["fixed", "threshold"])
-def test_seeded_output_does_not_depend_on_the_load(setup, scheduler):
-    """Per-request random streams: with schedulers that decide each slot's verify length
-    from that slot alone, a seeded T = 1 request gives the same tokens alone on the engine
-    and amid other sampled requests sharing its rounds (admitted in a different slot)."""
+@pytest.mark.parametrize(
+    "scheduler,verification",
+    [("topk", "coupled"), ("fixed", "standard"), ("prefix", "coupled")],
+)
+def test_seeded_output_does_not_depend_on_the_load(setup, scheduler, verification):
+    """A seeded T = 1 request gives the same tokens alone on the engine and amid other
+    sampled requests sharing its rounds (admitted in a different slot): under every
+    scheduler with coupled verification (the default for seeded requests), and with
+    standard rejection sampling under schedulers that decide each slot's verify length
+    from that slot alone (fixed, threshold). Standard sampling under topk or prefix does
+    not hold this (checked by hand: both fail this test)."""
     tok, target, tp, _ = setup
     _, _, drafter, dp = tiny_random_models(tok, "dspark", gamma=3, max_len=MAX_LEN)
-    # One verify bucket, R·γ (always compiled): the rounds' shapes do not matter here.
+    # Top-K's budget and Algorithm 1's Σ l vary with the load: two verify buckets.
+    buckets = (SLOTS * 3,) if scheduler == "fixed" else (SLOTS, SLOTS * 3)
     cfg = EngineConfig(
         num_slots=SLOTS, max_len=MAX_LEN, scheduler=scheduler, max_queue=32,
-        verify_buckets=(SLOTS * 3,),
+        verify_buckets=buckets, seeded_verification=verification, sps_repeats=1,
     )  # fmt: skip
     engine = Engine(target, tp, tok, drafter, dp, cfg).start()
     try:
@@ -344,3 +351,8 @@ def test_host_never_waits_on_the_round_in_flight(setup):
         assert dispatched[n + 1] < finished[n], f"round {n + 1} waited for round {n}"
     assert engine.stats.device_wait_seconds - waited >= 0.1 * len(finished)
     assert engine.compilations_after_warmup == 0
+
+
+def test_engine_config_names_a_bad_seeded_verification():
+    with pytest.raises(ValueError, match=r"seeded_verification must be one of \['coupled'"):
+        EngineConfig(seeded_verification="exact")

@@ -7,7 +7,8 @@ The one place that knows the engine's shapes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -17,7 +18,21 @@ from dspark_jax.decode.policy import RoundPolicy
 from dspark_jax.decode.step import SpeculativeDecoder, request_key_data
 from dspark_jax.sched import sps as sps_lib
 
-__all__ = ["MIN_PROMPT_BUCKET", "ServingShapes"]
+__all__ = ["MIN_PROMPT_BUCKET", "PrefillRow", "ServingShapes"]
+
+
+class PrefillRow(NamedTuple):
+    """One request's row of a prefill call."""
+
+    slot: int
+    ids: Sequence[int]
+    max_new: int
+    temperature: float
+    top_k: int
+    top_p: float
+    keys: np.ndarray  # its random stream, key data (``request_key_data``)
+    coupled: bool = False  # position-keyed verification (``decode.verify.verify_coupled``)
+
 
 MIN_PROMPT_BUCKET = 16  # smallest prefill length bucket (autoregressive.length_bucket)
 
@@ -64,13 +79,12 @@ class ServingShapes:
         return tuple(sorted({1, min(self.config.prefill_batch, self.config.num_slots)}))
 
     def prefill_many(self, state, rows):
-        """One prefill call for ``rows`` of ``(slot, ids, max_new, temperature, top_k,
-        top_p, key data)`` (at most ``max(prefill_rows)``): prompts padded to the longest one's
-        length bucket, the batch padded to a compiled size with rows aimed at slot
+        """One prefill call for ``rows`` (``PrefillRow``s, at most ``max(prefill_rows)``):
+        prompts padded to the longest one's length bucket, the batch padded to a compiled size with rows aimed at slot
         ``num_slots``, whose cache and state writes are dropped (out-of-range scatter)."""
         n = len(rows)
         b = next(k for k in self.prefill_rows if k >= n)
-        t = max(self.bucket_for(len(r[1])) for r in rows)
+        t = max(self.bucket_for(len(r.ids)) for r in rows)
         slots = np.full((b,), self.config.num_slots, np.int32)
         prompts = np.zeros((b, t), np.int32)
         lengths = np.ones((b,), np.int32)
@@ -79,19 +93,20 @@ class ServingShapes:
         top_k = np.zeros((b,), np.int32)
         top_p = np.ones((b,), np.float32)
         keys = np.stack([request_key_data(0, i) for i in range(b)])  # padding rows: any
-        for i, (slot, ids, mn, temp, k, p, key) in enumerate(rows):
+        coupled = np.zeros((b,), bool)
+        for i, (slot, ids, mn, temp, k, p, key, cpl) in enumerate(rows):
             slots[i], lengths[i], max_new[i] = slot, len(ids), mn
             prompts[i, : len(ids)] = ids
-            temps[i], top_k[i], top_p[i], keys[i] = temp, k, p, key
+            temps[i], top_k[i], top_p[i], keys[i], coupled[i] = temp, k, p, key, cpl
         return self.decoder.prefill(
-            state, slots, prompts, lengths, max_new, temps, top_k, top_p, keys
+            state, slots, prompts, lengths, max_new, temps, top_k, top_p, keys, coupled
         )
 
     def _fill_all_slots(self, state):
         """Prefill every slot with a short dummy prompt that keeps them active."""
         dummy = [self.dummy_id] * 4
         for s in range(self.config.num_slots):
-            row = (s, dummy, self.config.max_len, 0.0, 0, 1.0, request_key_data(0, s))
+            row = PrefillRow(s, dummy, self.config.max_len, 0.0, 0, 1.0, request_key_data(0, s))
             state, _ = self.prefill_many(state, [row])
         return state
 
@@ -137,7 +152,9 @@ class ServingShapes:
                     i += 1
                     if shown:
                         progress("compiling prefill", i, n_prefill, f"{b} x {t} tokens")
-                    rows = [(s, ids, 2, 0, 0, 1, request_key_data(0, s)) for s in range(b)]
+                    rows = [
+                        PrefillRow(s, ids, 2, 0, 0, 1, request_key_data(0, s)) for s in range(b)
+                    ]
                     state, _ = self.prefill_many(state, rows)
             state = self._fill_all_slots(state)
 
@@ -159,7 +176,7 @@ class ServingShapes:
         for t in self.prompt_buckets:
             ids = [1] * min(t, self.max_prompt_tokens)
             for b in self.prefill_rows:
-                rows = [(s, ids, 2, 0, 0, 1, request_key_data(0, s)) for s in range(b)]
+                rows = [PrefillRow(s, ids, 2, 0, 0, 1, request_key_data(0, s)) for s in range(b)]
                 times = []
                 for _ in range(repeats + 1):  # the first call only warms the caches
                     t0 = time.perf_counter()

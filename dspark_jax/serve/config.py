@@ -7,7 +7,9 @@ import dataclasses
 
 from dspark_jax.decode.step import StepConfig
 
-__all__ = ["EngineConfig", "EngineStats"]
+__all__ = ["EngineConfig", "EngineStats", "SEEDED_VERIFICATION"]
+
+SEEDED_VERIFICATION = ("coupled", "standard")
 
 
 @dataclasses.dataclass
@@ -22,6 +24,11 @@ class EngineConfig:
       SPS is profiled on these for ``prefix``/``topk``.
     sps_cache: JSON file caching the SPS table (``sched.sps.load_or_profile``); None = none.
     sps_repeats: timed calls per bucket when profiling.
+    seeded_verification: how requests that carry a ``seed`` are verified. ``coupled``
+      (default): position-keyed Gumbel-max draws (``decode.verify.verify_coupled``), so a
+      seeded output is identical whatever the load and the scheduler; ``standard``:
+      rejection sampling like unseeded requests (accepts more drafts; a seed then holds
+      under load only with the none/fixed/threshold schedulers).
     """
 
     num_slots: int = 8
@@ -38,8 +45,14 @@ class EngineConfig:
     # Requests admitted together are prefilled in one call of this many rows (padded with
     # rows that write nothing); 1 prefills one request per call.
     prefill_batch: int = 4
+    seeded_verification: str = "coupled"
 
     def __post_init__(self):
+        if self.seeded_verification not in SEEDED_VERIFICATION:
+            raise ValueError(
+                f"seeded_verification must be one of {list(SEEDED_VERIFICATION)}, got "
+                f"{self.seeded_verification!r}"
+            )
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
         if self.prefill_batch < 1:

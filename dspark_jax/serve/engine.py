@@ -24,13 +24,17 @@ compiled in ``start()``. ``compilations_after_warmup`` is the growth of the jitt
 
 Seeds: every request draws from its own random stream (the decoder's per-slot keys, set at
 admission from the request's ``seed``, or from the engine's seed and the request's number
-when it has none) and advanced only by its own rounds. With the ``none``, ``fixed`` and
-``threshold`` schedulers, which decide a slot's verify length from that slot alone, a
-seeded request's output is therefore the same whatever else the engine is serving. With
+when it has none). A request with a ``seed`` is verified *coupled* by default
+(``EngineConfig.seeded_verification``): the token at each position is the target's
+Gumbel-max draw with that position's noise, so its output is the same whatever else the
+engine is serving, under every scheduler. Unseeded requests (and seeded ones with
+``seeded_verification="standard"``) use rejection sampling, advanced only by their own
+rounds: with the ``none``, ``fixed`` and ``threshold`` schedulers, which decide a slot's
+verify length from that slot alone, a seeded output is also load-invariant; with
 ``prefix`` and ``topk`` the verify lengths depend on the other slots' confidences (a shared
-budget), so a seeded sample is exact in distribution but may differ under load. Greedy
-requests (temperature 0) are deterministic regardless and equal plain autoregressive
-greedy decoding token for token.
+budget), so it is exact in distribution but may differ under load. Greedy requests
+(temperature 0) are deterministic regardless and equal plain autoregressive greedy
+decoding token for token.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ import numpy as np
 from dspark_jax.decode.policy import RoundPolicy
 from dspark_jax.decode.step import FINISH_NONE, SpeculativeDecoder, request_key_data
 from dspark_jax.sched import sps as sps_lib
-from dspark_jax.serve.compilation import ServingShapes
+from dspark_jax.serve.compilation import PrefillRow, ServingShapes
 from dspark_jax.serve.config import EngineConfig, EngineStats
 from dspark_jax.serve.delivery import (
     ActiveRequest,
@@ -204,6 +208,7 @@ class Engine(Service):
         # The request's random stream (see the module docstring).
         seed = (params.seed,) if params.seed is not None else (self.config.seed, number, 2)
         handle.keys = request_key_data(*seed)
+        handle.coupled = params.seed is not None and (self.config.seeded_verification == "coupled")
         with self._lock:
             if self.starting:
                 raise EngineClosed(
@@ -310,8 +315,8 @@ class Engine(Service):
         for start in range(0, len(admitted), group):
             chunk = admitted[start : start + group]
             rows = [
-                (slot, h.prompt_ids, h.params.max_tokens, h.params.temperature,
-                 h.params.top_k, h.params.top_p, h.keys)
+                PrefillRow(slot, h.prompt_ids, h.params.max_tokens, h.params.temperature,
+                           h.params.top_k, h.params.top_p, h.keys, h.coupled)
                 for slot, h in chunk
             ]  # fmt: skip
             self._state, pre = self.shapes.prefill_many(self._state, rows)

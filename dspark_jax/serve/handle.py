@@ -31,6 +31,7 @@ class RequestHandle:
         self.done = threading.Event()
         self.submitted_at = time.perf_counter()
         self.keys = None  # the request's random stream (key data), set by the engine
+        self.coupled = False  # position-keyed verification (seeded requests, by default)
 
     # -- engine side ---------------------------------------------------------------------
     def _deliver(self, item) -> None:
