@@ -8,6 +8,7 @@ one is an error that lists what the file does define, because a silently substit
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Iterable, Sequence
@@ -153,11 +154,36 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE token may hold part of a UTF-8
+        character, which ``decode([id])`` would turn into U+FFFD)."""
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary ({self.vocab_size})")
+        special = int(token_id) in self.special_tokens.values()
+        if isinstance(self._tok.decoder, tokenizers.decoders.ByteLevel) and not special:
+            table = _byte_level_decoder()
+            if all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+        return self.decode([token_id]).encode("utf-8")
+
     def __repr__(self) -> str:
         return (
             f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, eos={self.eos_token!r}"
             f", pad={self.pad_token!r}, mask={self.mask_token if self.has_mask else None!r})"
         )
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins, inverted: every byte is written as one
+    character, printable ASCII and Latin-1 as themselves, the other 68 bytes (controls,
+    space, soft hyphen, ...) as the code points from U+0100 on, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    rest = [b for b in range(256) if b not in set(printable)]
+    table = {chr(b): b for b in printable}
+    table.update({chr(0x100 + i): b for i, b in enumerate(rest)})
+    return table
 
 
 class IncrementalDecoder:

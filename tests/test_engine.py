@@ -136,7 +136,7 @@ def test_stop_string_truncates_output(setup):
 
 def test_cancellation_frees_slots(setup):
     tok, _, _, engine = setup
-    long = SamplingParams(max_tokens=MAX_LEN - 8, temperature=1.0)
+    long = SamplingParams(max_tokens=MAX_LEN - 8, temperature=1.0)  # "x": one token
     handles = [engine.submit("x", long) for _ in range(SLOTS + 2)]
     for h in handles[:-1]:
         h.cancel()

@@ -12,6 +12,9 @@ import re
 import time
 
 import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
 import openai
 import pytest
 
@@ -19,6 +22,7 @@ from dspark_jax.data.tokenizer_train import train_bpe_tokenizer
 from dspark_jax.decode.autoregressive import generate
 from dspark_jax.serve.chat import ChatTemplate, load_chat_template
 from dspark_jax.serve.engine import Engine, EngineConfig, SamplingParams
+from dspark_jax.serve.logprobs import token_text
 from dspark_jax.serve.server import APIError, BackgroundServer, create_app, parse_chat_request
 from dspark_jax.testing import tiny_random_models
 
@@ -92,7 +96,14 @@ BAD = [
     ({"prompt": 5}, 400, "prompt", "prompt must be a string"),
     ({"max_tokens": 4}, 400, "prompt", "prompt is required"),
     ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens", ">= 1"),
-    ({"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens", "at most 31"),
+    (
+        {"prompt": "x", "max_tokens": 10**9},
+        400,
+        "max_tokens",
+        "maximum context length is 32 tokens. However, you requested 1000000001 tokens "
+        "(1 in the prompt, 1000000000 in the completion)",
+    ),
+    ({"prompt": "x", "max_tokens": 32}, 400, "max_tokens", "you requested 33 tokens"),
     ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "integer"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
     ({"prompt": "x", "top_p": 2}, 400, "top_p", "(0, 1]"),
@@ -102,10 +113,18 @@ BAD = [
     ({"prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
     ({"prompt": "x", "n": 0}, 400, "n", "n must be an integer in [1, 16]"),
     ({"prompt": "x", "stop_token_ids": [1, "a"]}, 400, "stop_token_ids", "token ids"),
-    ({"prompt": "def " * 40}, 400, "prompt", "at most 30 tokens"),
+    (
+        {"prompt": "def " * 40},
+        400,
+        "prompt",
+        "maximum context length is 32 tokens. However, "
+        "your prompt has 80 tokens; at most 30 tokens fit",
+    ),
     ({"prompt": "x", "model": "gpt-9"}, 404, "model", "does not exist"),
     # Fields this server does not implement are named, never ignored.
-    ({"prompt": "x", "logprobs": 2}, 400, "logprobs", "unsupported field(s) logprobs"),
+    ({"prompt": "x", "logprobs": "2"}, 400, "logprobs", "integer >= 0"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs", "at most 20"),
+    ({"prompt": "x", "best_of": 2}, 400, "best_of", "unsupported field(s) best_of"),
     ({"prompt": "x", "suffix": "y"}, 400, "suffix", "unsupported field(s) suffix"),
     ({"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", "only 0"),
 ]
@@ -122,6 +141,12 @@ BAD_CHAT = [
     ({"messages": MESSAGES, "chat_template_kwargs": [1]}, 400, "chat_template_kwargs", "object"),
     ({"messages": MESSAGES, "chat_template_kwargs": {"messages": []}}, 400,
      "chat_template_kwargs", "may not set messages"),
+    ({"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs", "needs logprobs: true"),
+    ({"messages": MESSAGES, "logprobs": 1}, 400, "logprobs", "boolean"),
+    ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs",
+     "at most 20"),
+    ({"messages": MESSAGES, "max_tokens": 30}, 400, "messages",
+     "maximum context length is 32 tokens. However, you requested"),
 ]  # fmt: skip
 
 
@@ -137,6 +162,9 @@ def test_bad_input_gets_4xx_naming_the_field(served):
             err = r.json()["error"]
             assert err["param"] == param and msg in err["message"], (body, err)
             assert err["type"] == "invalid_request_error"
+            context = "context length" in msg or "you requested" in msg
+            want_code = "context_length_exceeded" if context else None
+            assert err["code"] == want_code or status == 404, (body, err)
         assert c.get("/nope").status_code == 404
         # Still serving afterwards.
         r = c.post(
@@ -220,6 +248,59 @@ def test_n_choices_and_stop_token_ids(served):
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == engine.tokenizer.decode(full.token_ids[:cut])
     assert r.usage.completion_tokens == cut + 1  # the stop id is generated, not shown
+
+
+def test_logprobs_are_the_targets_in_both_formats(served):
+    """logprobs / top_logprobs: the target's log-softmax at every output token, equal to a
+    full forward pass of the target over prompt + output (prefill's token and every round's
+    tokens); greedy tokens are their row's top alternative; streamed chunks carry the same
+    values; chat's format through the openai client, bytes joining to the content."""
+    server, engine, _ = served
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    tok, dec = engine.tokenizer, engine.decoder
+    p = PROMPTS[1]
+    r = client.completions.create(
+        model=MODEL, prompt=p, max_tokens=N_NEW, temperature=0, logprobs=3
+    )
+    lp = r.choices[0].logprobs
+    out = engine.generate(p, SamplingParams(max_tokens=N_NEW, logprobs=3))
+    ids = tok.encode(p) + [t for t in out.token_ids if t not in tok.stop_ids]
+    full = jax.nn.log_softmax(dec.target.apply({"params": dec.target_params}, jnp.asarray([ids])))
+    n_prompt = len(tok.encode(p))
+    ref = [float(full[0, n_prompt - 1 + i, t]) for i, t in enumerate(ids[n_prompt:])]
+    np.testing.assert_allclose(lp.token_logprobs, ref, atol=1e-4)
+    # Random weights emit stray bytes: tokens holding part of a character are "bytes:\\x..".
+    new = ids[n_prompt:]
+    assert lp.tokens == [token_text(tok, t)[0] for t in new]
+    raw = b"".join(tok.token_bytes(t) for t in new)
+    assert raw.decode("utf-8", errors="replace") == r.choices[0].text
+    lengths = [len(tok.decode([t])) for t in new]
+    assert lp.text_offset == [sum(lengths[:i]) for i in range(len(new))]
+    for i, top in enumerate(lp.top_logprobs):
+        assert len(top) == 3 and max(top.values()) == pytest.approx(lp.token_logprobs[i])
+        want_top = np.sort(np.asarray(full[0, n_prompt - 1 + i]))[::-1][:3]
+        np.testing.assert_allclose(sorted(top.values(), reverse=True), want_top, atol=1e-4)
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=p, max_tokens=N_NEW, temperature=0, logprobs=3, stream=True
+        )
+    )
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    # Chat: a bool and a count; sampled tokens get their own (not the top) log-probability.
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=N_NEW, temperature=1.0, seed=4,
+        logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert len(content) <= r.usage.completion_tokens and content
+    raw = b"".join(bytes(c.bytes) for c in content)
+    assert raw.decode("utf-8", errors="replace") == r.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= c.top_logprobs[0].logprob + 1e-6
+               for c in content)  # fmt: skip
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert r.choices[0].logprobs is None  # not asked for
 
 
 def test_chat_without_a_template_is_a_400_naming_it():

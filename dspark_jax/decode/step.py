@@ -120,11 +120,19 @@ class RoundOutput(NamedTuple):
     survival: Array  # [R, G] a = cumprod(c) used by the scheduler (ones without confidences)
     confidence: Array  # [R, G] calibrated c_k (ones without confidences)
     draft_tokens: Array  # [R, G]
+    # The target's log-probabilities (its own distribution: before temperature, top-k and
+    # top-p) of each emitted token, and its ``StepConfig.top_logprobs`` most likely tokens.
+    logprobs: Array  # [R, G+1] float32
+    top_ids: Array  # [R, G+1, N] int32
+    top_logprobs: Array  # [R, G+1, N] float32
 
 
 class PrefillOutput(NamedTuple):
     first_token: Array  # [B]
     finish: Array  # [B]
+    logprob: Array  # [B] the first token's target log-probability (see RoundOutput)
+    top_ids: Array  # [B, N]
+    top_logprobs: Array  # [B, N]
 
 
 class Plan(NamedTuple):
@@ -150,8 +158,11 @@ class StepConfig:
     threshold: float = 0.5  # static-threshold arm
     fixed_length: int | None = None  # fixed arm: verify this many drafts (default: all)
     eos_id: int = -1
+    top_logprobs: int = 0  # most likely target tokens reported per emitted token (static)
 
     def __post_init__(self):
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         if self.scheduler not in SCHEDULER_MODES:
             raise ValueError(
                 f"Unknown scheduler {self.scheduler!r}; allowed: {list(SCHEDULER_MODES)}"
@@ -430,7 +441,7 @@ class SpeculativeDecoder:
             slot_keys=put(state.slot_keys, jax.random.key_data(next_keys)),
             coupled=put(state.coupled, coupled),
         )
-        return state, PrefillOutput(first, finish)
+        return state, PrefillOutput(first, finish, *self._logprobs(logits, first))
 
     def profile_step_fns(self, budgets, seed: int = 0) -> dict[int, Callable[[], Array]]:
         """One zero-argument callable per verify budget ``K``, keyed by ``B = R + K``.
@@ -541,6 +552,23 @@ class SpeculativeDecoder:
 
     def _round_impl(self, params, state: DecodeState, budget: int):
         return self._commit_impl(params, state, self._plan_impl(params, state, budget), budget)
+
+    def _logprobs(self, logits: Array, tokens: Array, rows: Array | None = None):
+        """Target log-probabilities for logits ``[P, V]``: of ``tokens`` (``[...]``, each
+        scored by logits row ``rows[...]``, default row i for token i; PAD entries give
+        values the caller never reads) and the ``top_logprobs`` largest entries of those
+        rows. A log-sum-exp and a top-N per row: nothing ``V`` wide is gathered."""
+        logits = logits.astype(jnp.float32)
+        rows = jnp.arange(logits.shape[0]) if rows is None else rows
+        lse = jax.nn.logsumexp(logits, axis=-1)[rows]
+        picked = logits[rows, jnp.maximum(tokens, 0)] - lse
+        n = self.config.top_logprobs
+        if n:
+            top_vals, top_ids = jax.lax.top_k(logits, n)
+        else:
+            top_vals = jnp.zeros(logits.shape[:-1] + (0,), jnp.float32)
+            top_ids = jnp.zeros(logits.shape[:-1] + (0,), jnp.int32)
+        return picked, top_ids[rows].astype(jnp.int32), top_vals[rows] - lse[..., None]
 
     def _position_keys(self, state: DecodeState) -> Array:
         """Coupled draws' keys ``[R, γ+1]``: key ``j`` of slot ``r`` is that of sequence
@@ -713,6 +741,8 @@ class SpeculativeDecoder:
             remaining=remaining,
             slot_keys=plan.slot_keys,
         )
+        # Row j of a slot's output was predicted by its packed row j (anchor, then drafts).
+        logprobs, top_ids, top_lps = self._logprobs(logits, out_tokens, gather_rows)
         out = RoundOutput(
             tokens=out_tokens,
             num_emitted=emitted,
@@ -722,6 +752,9 @@ class SpeculativeDecoder:
             survival=plan.survival,
             confidence=plan.confidence,
             draft_tokens=draft_tokens,
+            logprobs=logprobs,
+            top_ids=top_ids,
+            top_logprobs=top_lps,
         )
         return new_state, out
 

@@ -79,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=[0.0],
         help="sampling temperature(s); 0 = greedy verification",
     )
+    a.add_argument(
+        "--verification",
+        nargs="+",
+        default=["standard"],
+        choices=["standard", "coupled"],
+        help="verification rule(s) at T > 0: standard rejection sampling, coupled "
+        "(position-keyed Gumbel-max, the serving default for seeded requests)",
+    )
     a.add_argument("--out", required=True, help="results JSON (a .rounds.npz is written beside)")
 
     c = sub.add_parser("calibrate", help="fit STS temperatures; writes --out (an sts.json)")
@@ -169,6 +177,7 @@ def cmd_acceptance(args) -> int:
         slots=args.slots,
         seed=args.seed,
         max_prompt_tokens=args.max_prompt_tokens,
+        verifications=args.verification,
     )
     meta = acc.run_metadata(target, drafters, vars(args))
     meta["prompt_sets"] = {

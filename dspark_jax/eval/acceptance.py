@@ -18,6 +18,7 @@ Programmatic use::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -37,6 +38,10 @@ from dspark_jax.eval import calibration as cal
 from dspark_jax.eval import metrics
 from dspark_jax.eval.prompts import Prompt
 from dspark_jax.tokenizer import Tokenizer
+
+# Verification rules at T > 0: rejection sampling, and position-keyed Gumbel-max
+# (decode.verify.verify_coupled, load-invariant for a seed; measured side by side).
+VERIFICATION = ("standard", "coupled")
 
 # -- one decode run ---------------------------------------------------------------------
 
@@ -126,14 +131,21 @@ def collect_rounds(
     max_new_tokens: int,
     seed: int = 0,
     has_confidence: bool = True,
+    verification: str = "standard",
 ) -> RoundRecords:
-    """Decode every prompt with the fixed-block decoder; flatten the per-round records."""
+    """Decode every prompt with the fixed-block decoder; flatten the per-round records.
+
+    ``verification``: ``standard`` (rejection sampling) or ``coupled`` (position-keyed
+    Gumbel-max, ``decode.verify.verify_coupled``); the same at temperature 0."""
     if temperature < 0 or not math.isfinite(temperature):
         raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if verification not in VERIFICATION:
+        raise ValueError(f"verification must be one of {list(VERIFICATION)}, got {verification!r}")
+    coupled = verification == "coupled"
     reqs = [
-        Request(list(p), max_new_tokens, float(temperature), prompt_index=i)
+        Request(list(p), max_new_tokens, float(temperature), prompt_index=i, coupled=coupled)
         for i, p in enumerate(prompt_ids)
     ]
     runner = Runner(decoder, record_details=has_confidence, seed=seed)
@@ -239,9 +251,11 @@ def evaluate(
     slots: int = 8,
     seed: int = 0,
     max_prompt_tokens: int = 512,
+    verifications: Sequence[str] = ("standard",),
     progress=print,
 ) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
-    """τ and calibration for every (drafter, prompt set, temperature).
+    """τ and calibration for every (drafter, prompt set, temperature, verification rule;
+    ``coupled`` only at T > 0, where it differs from ``standard``).
 
     Returns the result entries (JSON-ready) and the raw per-round arrays keyed
     ``"<entry>/<name>"`` (for ``np.savez``). One decoder (one compiled round) per drafter
@@ -274,7 +288,8 @@ def evaluate(
         g = effective_gamma(d, gamma)
         for temp in temperatures:
             dec = make_decoder(target, d, gamma=g, temperature=temp, slots=slots, max_len=max_len)
-            for name, ids in encoded.items():
+            rules = [v for v in verifications if temp > 0 or v == "standard"] or ["standard"]
+            for (name, ids), rule in itertools.product(encoded.items(), rules):
                 rec = collect_rounds(
                     dec,
                     ids,
@@ -283,6 +298,7 @@ def evaluate(
                     max_new_tokens=max_new_tokens,
                     seed=seed,
                     has_confidence=d.has_confidence,
+                    verification=rule,
                 )
                 entry = {
                     "drafter": d.label,
@@ -291,6 +307,7 @@ def evaluate(
                     "prompt_set": name,
                     "num_prompts": len(ids),
                     "temperature": float(temp),
+                    "verification": rule,
                     "sts_applied_offline": d.sts is not None,
                     **summarize(rec, d.sts),
                 }
@@ -303,7 +320,8 @@ def evaluate(
                 entries.append(entry)
                 if progress:
                     progress(
-                        f"{d.label:>20s}  {name:>12s}  T={temp:g}  tau={entry['tau']:.3f}  "
+                        f"{d.label:>20s}  {name:>12s}  T={temp:g}  {rule:>8s}  "
+                        f"tau={entry['tau']:.3f}  "
                         f"rounds={entry['rounds']}  ({rec.wall_seconds:.1f}s)"
                     )
     _add_ratios(entries)
@@ -311,12 +329,17 @@ def evaluate(
 
 
 def _add_ratios(entries: list[dict[str, Any]]) -> None:
-    """τ of each entry relative to every drafter on the same prompt set and temperature."""
+    """τ of each entry relative to every drafter on the same prompt set, temperature and
+    verification rule."""
+
+    def group_of(e):
+        return e["prompt_set"], e["temperature"], e.get("verification", "standard")
+
     by_key: dict[tuple, dict[str, float]] = {}
     for e in entries:
-        by_key.setdefault((e["prompt_set"], e["temperature"]), {})[e["drafter"]] = e["tau"]
+        by_key.setdefault(group_of(e), {})[e["drafter"]] = e["tau"]
     for e in entries:
-        group = by_key[(e["prompt_set"], e["temperature"])]
+        group = by_key[group_of(e)]
         e["tau_ratio_to"] = {
             other: (e["tau"] / t if t and math.isfinite(t) else None)
             for other, t in group.items()

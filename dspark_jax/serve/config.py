@@ -24,6 +24,9 @@ class EngineConfig:
       SPS is profiled on these for ``prefix``/``topk``.
     sps_cache: JSON file caching the SPS table (``sched.sps.load_or_profile``); None = none.
     sps_repeats: timed calls per bucket when profiling.
+    max_logprobs: most alternatives a request may ask for per token (``logprobs`` /
+      ``top_logprobs``); the round computes this many (a top-N over the vocabulary of each
+      verified row), 0 = only each token's own log-probability.
     seeded_verification: how requests that carry a ``seed`` are verified. ``coupled``
       (default): position-keyed Gumbel-max draws (``decode.verify.verify_coupled``), so a
       seeded output is identical whatever the load and the scheduler; ``standard``:
@@ -46,8 +49,11 @@ class EngineConfig:
     # rows that write nothing); 1 prefills one request per call.
     prefill_batch: int = 4
     seeded_verification: str = "coupled"
+    max_logprobs: int = 20  # vLLM's default bound; the OpenAI API allows up to 20
 
     def __post_init__(self):
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.seeded_verification not in SEEDED_VERIFICATION:
             raise ValueError(
                 f"seeded_verification must be one of {list(SEEDED_VERIFICATION)}, got "
@@ -73,6 +79,7 @@ class EngineConfig:
             threshold=self.threshold,
             fixed_length=self.fixed_length,
             eos_id=eos_id,
+            top_logprobs=self.max_logprobs,
         )
 
 

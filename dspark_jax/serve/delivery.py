@@ -14,7 +14,13 @@ import numpy as np
 
 from dspark_jax.decode.step import FINISH_EOS, FINISH_NONE
 from dspark_jax.serve.handle import RequestHandle
-from dspark_jax.serve.requests import Delta, InvalidRequest, Result
+from dspark_jax.serve.requests import (
+    ContextLengthExceeded,
+    Delta,
+    InvalidRequest,
+    Result,
+    TokenLogprob,
+)
 from dspark_jax.serve.text import TextStream
 from dspark_jax.tokenizer import Tokenizer
 
@@ -40,11 +46,7 @@ def encode_prompt(
     if not ids:
         raise InvalidRequest("prompt is empty (it encodes to no tokens)", "prompt")
     if len(ids) > max_prompt:
-        raise InvalidRequest(
-            f"prompt has {len(ids)} tokens but this server's cache holds {max_len} positions "
-            f"per request, so prompts may have at most {max_prompt} tokens",
-            "prompt",
-        )
+        raise ContextLengthExceeded(max_len, len(ids), None, max_prompt)
     return ids
 
 
@@ -61,6 +63,9 @@ class ActiveRequest:
         self.handle = handle
         stop_ids = set(tokenizer.stop_ids) | {int(i) for i in handle.params.stop_token_ids}
         self.stream = TextStream(tokenizer, stop_ids, handle.params.stop)
+        self.stop_ids = stop_ids
+        self.top_n = handle.params.logprobs  # None: logprobs not requested
+        self.logprobs: list[TokenLogprob] | None = None if self.top_n is None else []
         self.done = False
         self.rounds = 0
         self.accepted = 0  # emitted tokens summed over rounds (for τ)
@@ -71,17 +76,35 @@ class ActiveRequest:
         self.accepted += emitted
         self.verified += verified
 
-    def emit(self, tokens: list[int], finish_code: int) -> str | None:
-        """Stream ``tokens`` (the device's ``finish_code`` for this slot); returns the finish
-        reason if the request ends here (EOS / length from the device, or a stop id / stop
-        string / max tokens found on the host), else ``None``."""
+    def emit(self, tokens: list[int], finish_code: int, lps=None) -> str | None:
+        """Stream ``tokens`` (the device's ``finish_code`` for this slot; ``lps``: their
+        ``(logprob [n], top ids [n, N], top logprobs [n, N])``); returns the finish reason if
+        the request ends here (EOS / length from the device, or a stop id / stop string /
+        max tokens found on the host), else ``None``."""
         device_reason = None
         if finish_code != FINISH_NONE:
             device_reason = "stop" if finish_code == FINISH_EOS else "length"
         new_ids, piece, reason, _ = self.stream.add(tokens, device_reason)
         if new_ids:
-            self.handle._deliver(Delta(piece, new_ids))
+            self.handle._deliver(Delta(piece, new_ids, self._logprobs_of(new_ids, lps)))
         return reason
+
+    def _logprobs_of(self, ids: list[int], lps) -> list[TokenLogprob] | None:
+        """The requested logprobs of the tokens just taken (stop ids have none)."""
+        if self.top_n is None or lps is None:
+            return None
+        logprob, top_ids, top_lps = lps
+        got = [
+            TokenLogprob(
+                tok,
+                float(logprob[i]),
+                [(int(t), float(v)) for t, v in zip(top_ids[i, : self.top_n], top_lps[i])],
+            )
+            for i, tok in enumerate(ids)
+            if tok not in self.stop_ids
+        ]
+        self.logprobs.extend(got)
+        return got
 
     def result(self, reason: str, error: str | None = None) -> Result:
         """Mark the request done and build its final event (call once)."""
@@ -99,6 +122,7 @@ class ActiveRequest:
             mean_accepted_length=self.accepted / max(self.rounds, 1),
             mean_verified=self.verified / max(self.rounds, 1),
             error=error,
+            logprobs=self.logprobs,
         )
 
 

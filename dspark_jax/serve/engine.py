@@ -64,6 +64,7 @@ from dspark_jax.serve.delivery import (
 from dspark_jax.serve.handle import RequestHandle
 from dspark_jax.serve.loading import load_models
 from dspark_jax.serve.requests import (
+    ContextLengthExceeded,
     Delta,
     EngineClosed,
     EngineError,
@@ -71,6 +72,7 @@ from dspark_jax.serve.requests import (
     QueueFull,
     Result,
     SamplingParams,
+    TokenLogprob,
 )
 from dspark_jax.serve.service import Service
 from dspark_jax.tokenizer import Tokenizer
@@ -190,6 +192,24 @@ class Engine(Service):
             self.config.max_len,
         )
 
+    def check_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> tuple[list[int], SamplingParams]:
+        """A request's prompt ids and settings (``max_tokens`` None resolved to the room
+        left after the prompt), or ``InvalidRequest`` naming what is wrong; a prompt plus
+        ``max_tokens`` beyond the cache row is ``ContextLengthExceeded``."""
+        cfg = self.config
+        params = params or SamplingParams()
+        params.validate(cfg.max_len, cfg.max_logprobs)
+        ids = self.encode_prompt(prompt)
+        if params.max_tokens is None:  # as many as the cache row holds after the prompt
+            params = dataclasses.replace(params, max_tokens=cfg.max_len - len(ids))
+        elif len(ids) + params.max_tokens > cfg.max_len:
+            raise ContextLengthExceeded(
+                cfg.max_len, len(ids), params.max_tokens, self.max_prompt_tokens
+            )
+        return ids, params
+
     def submit(
         self,
         prompt: str | Sequence[int],
@@ -198,11 +218,7 @@ class Engine(Service):
     ) -> RequestHandle:
         """Validate and enqueue a request. Raises ``InvalidRequest``, ``QueueFull`` or
         ``EngineClosed``; never blocks on the device."""
-        params = params or SamplingParams()
-        params.validate(self.config.max_len)
-        ids = self.encode_prompt(prompt)
-        if params.max_tokens is None:  # as many as the cache row holds after the prompt
-            params = dataclasses.replace(params, max_tokens=self.config.max_len - len(ids))
+        ids, params = self.check_request(prompt, params)
         number = next(self._ids)
         handle = RequestHandle(f"cmpl-{number}", ids, params, loop)
         # The request's random stream (see the module docstring).
@@ -369,7 +385,8 @@ class Engine(Service):
                 if entry is None or entry[0].done:
                     continue
                 a, i = entry
-                self._accept_tokens(s, a, [int(out.first_token[i])], int(out.finish[i]))
+                lps = (out.logprob[i : i + 1], out.top_ids[i : i + 1], out.top_logprobs[i : i + 1])
+                self._accept_tokens(s, a, [int(out.first_token[i])], int(out.finish[i]), lps)
             return
         now = time.perf_counter()
         seconds = now - max(t_dispatch, self._last_ready)
@@ -384,15 +401,18 @@ class Engine(Service):
                 continue
             a.count_round(n, int(out.verified[s]))
             taus.append(n)
-            self._accept_tokens(s, a, [int(x) for x in out.tokens[s, :n]], int(out.finish[s]))
+            lps = (out.logprobs[s, :n], out.top_ids[s, :n], out.top_logprobs[s, :n])
+            tokens = [int(x) for x in out.tokens[s, :n]]
+            self._accept_tokens(s, a, tokens, int(out.finish[s]), lps)
         self.stats.record_round(seconds, budget, taus)
         if self.listener is not None:
             self.listener.on_round(seconds, budget, taus, int(np.sum(out.verified)))
 
     # -- per-request host work -----------------------------------------------------------
-    def _accept_tokens(self, slot: int, a: ActiveRequest, tokens: list[int], code: int) -> None:
-        """Stream emitted tokens; free the slot if the request ends with them."""
-        reason = a.emit(tokens, code)
+    def _accept_tokens(self, slot: int, a: ActiveRequest, tokens, code: int, lps) -> None:
+        """Stream emitted tokens (``lps``: their logprob arrays); free the slot if the
+        request ends with them."""
+        reason = a.emit(tokens, code, lps)
         if reason is None:
             return
         if code == FINISH_NONE:
@@ -423,6 +443,7 @@ class Engine(Service):
 
 # The serving API in one import (re-exported from the modules that define it).
 __all__ = [  # noqa: RUF022
-    "Delta", "Engine", "EngineClosed", "EngineConfig", "EngineError", "EngineStats",
-    "InvalidRequest", "QueueFull", "RequestHandle", "Result", "SamplingParams", "load_models",
+    "ContextLengthExceeded", "Delta", "Engine", "EngineClosed", "EngineConfig", "EngineError",
+    "EngineStats", "InvalidRequest", "QueueFull", "RequestHandle", "Result", "SamplingParams",
+    "TokenLogprob", "load_models",
 ]  # fmt: skip

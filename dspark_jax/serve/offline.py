@@ -75,8 +75,7 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         for i, (prompt, p) in enumerate(zip(prompts, params)):  # fail before submitting any
             try:
-                p.validate(self.engine.config.max_len)
-                self.engine.encode_prompt(prompt)
+                self.engine.check_request(prompt, p)
             except InvalidRequest as e:
                 raise InvalidRequest(f"prompt {i}: {e}", e.param) from None
         results: list[Result | None] = [None] * len(prompts)

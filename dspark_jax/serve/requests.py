@@ -38,6 +38,35 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """Prompt (plus ``max_tokens``) beyond what a request's cache row holds: HTTP 400 with
+    code ``context_length_exceeded``, worded as the OpenAI API words it, so clients that
+    look for "maximum context length" recognise it."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, max_len: int, prompt_tokens: int, max_tokens: int | None, limit: int):
+        self.max_len, self.prompt_tokens = max_len, prompt_tokens
+        self.max_tokens, self.limit = max_tokens, limit
+        super().__init__(self.describe("prompt"), "prompt" if max_tokens is None else "max_tokens")
+
+    def describe(self, what: str = "prompt") -> str:
+        """The message, naming the input ``what`` (``prompt``, or ``messages`` for chat)."""
+        head = f"This model's maximum context length is {self.max_len} tokens."
+        if self.max_tokens is None:
+            return (
+                f"{head} However, your {what} has {self.prompt_tokens} tokens; at most "
+                f"{self.limit} tokens fit, with room left to generate. Please reduce the "
+                f"length of the {what}."
+            )
+        total = self.prompt_tokens + self.max_tokens
+        return (
+            f"{head} However, you requested {total} tokens ({self.prompt_tokens} in the "
+            f"{what}, {self.max_tokens} in the completion). Please reduce the length of the "
+            f"{what} or completion."
+        )
+
+
 # ------------------------------------------------------------------------------------------
 # requests and results
 # ------------------------------------------------------------------------------------------
@@ -49,7 +78,10 @@ class SamplingParams:
     output is cut before the first occurrence. ``seed``: see the module docstring.
     ``max_tokens`` None: until the request's cache row is full (the chat default).
     ``stop_token_ids``: ids that end the output (finish reason "stop", not part of the
-    text), besides the tokenizer's end-of-text ids.
+    text), besides the tokenizer's end-of-text ids. ``logprobs``: None, or report each
+    output token's target log-probability and its ``logprobs`` most likely alternatives
+    (0: the token's own only); the target's own distribution, before temperature, top-k
+    and top-p (what vLLM reports by default).
     """
 
     max_tokens: int | None = 16
@@ -59,8 +91,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
 
-    def validate(self, max_len: int) -> None:
+    def validate(self, max_len: int, max_logprobs: int = 0) -> None:
         def bad(field, msg):
             raise InvalidRequest(f"{field} {msg}", field)
 
@@ -69,12 +102,6 @@ class SamplingParams:
             bad("max_tokens", f"must be an integer, got {mt!r}")
         if mt < 1:
             bad("max_tokens", f"must be >= 1, got {mt}")
-        if mt > max_len - 1:
-            bad(
-                "max_tokens",
-                f"is {mt} but this server's cache holds {max_len} positions; at most "
-                f"{max_len - 1} tokens can be generated",
-            )
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
             bad("temperature", f"must be a finite number, got {t!r}")
@@ -97,6 +124,17 @@ class SamplingParams:
             isinstance(i, int | np.integer) and not isinstance(i, bool) and i >= 0 for i in ids
         ):
             bad("stop_token_ids", f"must be a list of token ids (integers >= 0), got {ids!r}")
+        lp = self.logprobs
+        if lp is not None and (
+            isinstance(lp, bool) or not isinstance(lp, int | np.integer) or not 0 <= lp
+        ):
+            bad("logprobs", f"must be an integer >= 0 (alternatives per token), got {lp!r}")
+        if lp is not None and lp > max_logprobs:
+            bad(
+                "logprobs",
+                f"asks for {lp} alternatives per token; this server reports at most "
+                f"{max_logprobs} (serve.py --max-logprobs)",
+            )
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, int | np.integer)):
             bad("seed", f"must be an integer, got {s!r}")
@@ -105,11 +143,23 @@ class SamplingParams:
 
 
 @dataclasses.dataclass
+class TokenLogprob:
+    """An output token's target log-probability and the most likely alternatives there
+    (``top``: ``(token id, log-probability)``, most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass
 class Delta:
-    """A streamed piece of a request's output."""
+    """A streamed piece of a request's output (``logprobs``: one per output token of
+    ``token_ids`` when the request asked for them; stop ids have none)."""
 
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass
@@ -126,10 +176,12 @@ class Result:
     mean_accepted_length: float  # τ: tokens per round incl. the bonus token
     mean_verified: float  # draft tokens sent to the target per round
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # see Delta
 
 
 __all__ = [
     "MAX_STOP_STRINGS",
+    "ContextLengthExceeded",
     "Delta",
     "EngineClosed",
     "EngineError",
@@ -137,4 +189,5 @@ __all__ = [
     "QueueFull",
     "Result",
     "SamplingParams",
+    "TokenLogprob",
 ]

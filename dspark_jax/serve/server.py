@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark_jax.serve.chat import ChatTemplate, parse_messages
 from dspark_jax.serve.engine import (
+    ContextLengthExceeded,
     Delta,
     Engine,
     EngineClosed,
@@ -50,6 +51,7 @@ from dspark_jax.serve.engine import (
     Result,
     SamplingParams,
 )
+from dspark_jax.serve.logprobs import chat_logprobs, completion_logprobs
 from dspark_jax.serve.metrics import EngineMetrics
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: until the cache ends)
@@ -61,8 +63,10 @@ _SAMPLING_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream",
     "stream_options", "n", "user", "frequency_penalty", "presence_penalty", "stop_token_ids",
 }  # fmt: skip
-_COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt"}
-_CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs"}
+_COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs"}
+_CHAT_FIELDS = _SAMPLING_FIELDS | {
+    "messages", "max_completion_tokens", "chat_template_kwargs", "logprobs", "top_logprobs",
+}  # fmt: skip
 
 
 class APIError(Exception):
@@ -147,6 +151,8 @@ def parse_completion_request(body: Any, model_name: str) -> tuple[Any, SamplingP
         prompt = prompt[0]  # the OpenAI client may send a one-element batch
     if not isinstance(prompt, str):
         raise APIError(400, "prompt must be a string (batched prompts are not supported)", "prompt")
+    # An integer: alternatives per token (validated with the other settings).
+    params = dataclasses.replace(params, logprobs=body.get("logprobs"))
     return prompt, params, options
 
 
@@ -175,7 +181,21 @@ def parse_chat_request(body: Any, model_name: str, template: ChatTemplate | None
         text = template.render(parse_messages(body["messages"]), True, kwargs)
     except InvalidRequest as e:
         raise APIError(400, str(e), e.param) from e
-    return text, params, options
+    return text, dataclasses.replace(params, logprobs=_chat_logprobs_field(body)), options
+
+
+def _chat_logprobs_field(body: dict) -> int | None:
+    """Chat's ``logprobs`` (bool) and ``top_logprobs`` (alternatives) as one setting."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise APIError(400, f"logprobs must be a boolean, got {wanted!r}", "logprobs")
+    if top is not None and not wanted:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
+        raise APIError(400, f"top_logprobs must be an integer >= 0, got {top!r}", "top_logprobs")
+    if not wanted:
+        return None
+    return 0 if top is None else top
 
 
 def _id_list(value):
@@ -289,8 +309,14 @@ def create_app(
                     if params.seed is not None and i:
                         p = dataclasses.replace(params, seed=params.seed + i)
                     handles.append(engine.submit(prompt, p, loop=asyncio.get_running_loop()))
+            except ContextLengthExceeded as e:
+                what = "messages" if chat else "prompt"
+                raise APIError(
+                    400, e.describe(what), "messages" if chat else e.param, code=e.code
+                ) from e
             except InvalidRequest as e:
-                raise APIError(400, str(e), e.param) from e
+                param = "top_logprobs" if chat and e.param == "logprobs" else e.param
+                raise APIError(400, str(e), param) from e
             except QueueFull as e:
                 metrics.rejected.labels("queue_full").inc()
                 raise APIError(429, str(e), kind="rate_limit_error", code="queue_full") from e
@@ -307,13 +333,14 @@ def create_app(
             return _error(e)
 
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        fmt = _LogprobFormat(engine.tokenizer, chat)
         if options["stream"]:
             return StreamingResponse(
-                _stream(handles, rid, name, options["include_usage"], chat),
+                _stream(handles, rid, name, options["include_usage"], chat, fmt),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        return await _complete(request, handles, rid, name, chat)
+        return await _complete(request, handles, rid, name, chat, fmt)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -327,13 +354,33 @@ def create_app(
     return app
 
 
-def _choice(text: str, finish, chat: bool, delta: dict | None = None, index: int = 0) -> dict:
+class _LogprobFormat:
+    """Logprobs of one response's choices in its endpoint's format (``text_offset`` of a
+    streamed completion continues across chunks)."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.offsets: dict[int, int] = {}
+
+    def __call__(self, lps, index: int = 0):
+        if lps is None:
+            return None
+        if self.chat:
+            return chat_logprobs(self.tokenizer, lps)
+        start = self.offsets.get(index, 0)
+        self.offsets[index] = start + sum(len(self.tokenizer.decode([x.token_id])) for x in lps)
+        return completion_logprobs(self.tokenizer, lps, start)
+
+
+def _choice(
+    text: str, finish, chat: bool, delta: dict | None = None, index: int = 0, logprobs=None
+) -> dict:
     if not chat:
-        return {"text": text, "index": index, "logprobs": None, "finish_reason": finish}
+        return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
     if delta is not None:  # a streamed chat chunk
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     message = {"role": "assistant", "content": text}
-    return {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 def _envelope(rid: str, model: str, chat: bool, stream: bool) -> dict:
@@ -343,14 +390,16 @@ def _envelope(rid: str, model: str, chat: bool, stream: bool) -> dict:
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
 
 
-def _chunk(rid, model, text, finish, chat, usage=None, extra=None, first=False, index=0) -> str:
+def _chunk(
+    rid, model, text, finish, chat, usage=None, extra=None, first=False, index=0, logprobs=None
+) -> str:
     obj = _envelope(rid, model, chat, True)
     delta = None
     if chat:
         delta = {"content": text} if text or not finish else {}
         if first:
             delta = {"role": "assistant", **delta}
-    obj["choices"] = [_choice(text, finish, chat, delta, index)]
+    obj["choices"] = [_choice(text, finish, chat, delta, index, logprobs)]
     if usage is not None:
         obj["usage"] = usage
     if extra is not None:
@@ -391,17 +440,21 @@ async def _events(handles):
             t.cancel()
 
 
-async def _stream(handles, rid: str, model: str, include_usage: bool, chat: bool = False):
-    """SSE: one chunk per decode round with new text of a choice (chat: a choice's first
-    chunk carries the assistant role), a final chunk per choice with its finish reason,
-    then (``include_usage``) the usage, then ``data: [DONE]``. A disconnect cancels every
-    choice (``finally``)."""
+async def _stream(handles, rid: str, model: str, include_usage: bool, chat: bool, fmt):
+    """SSE: one chunk per decode round with new text (or, when asked for, logprobs) of a
+    choice (chat: a choice's first chunk carries the assistant role), a final chunk per
+    choice with its finish reason, then (``include_usage``) the usage, then
+    ``data: [DONE]``. A disconnect cancels every choice (``finally``)."""
     started, results = set(), []
     try:
         async for i, ev in _events(handles):
             if isinstance(ev, Delta):
-                if ev.text:
-                    yield _chunk(rid, model, ev.text, None, chat, first=i not in started, index=i)
+                if ev.text or ev.logprobs:
+                    lps = fmt(ev.logprobs, i)
+                    yield _chunk(
+                        rid, model, ev.text, None, chat, first=i not in started, index=i,
+                        logprobs=lps,
+                    )  # fmt: skip
                     started.add(i)
                 continue
             results.append(ev)
@@ -425,7 +478,7 @@ async def _stream(handles, rid: str, model: str, include_usage: bool, chat: bool
                 h.cancel()
 
 
-async def _complete(request: Request, handles, rid: str, model: str, chat: bool = False):
+async def _complete(request: Request, handles, rid: str, model: str, chat: bool, fmt):
     tasks = [asyncio.ensure_future(h.aresult()) for h in handles]
     try:
         while True:
@@ -449,7 +502,10 @@ async def _complete(request: Request, handles, rid: str, model: str, chat: bool 
             return _error(APIError(status, message, kind="server_error"))
     body = {
         **_envelope(rid, model, chat, False),
-        "choices": [_choice(r.text, r.finish_reason, chat, index=i) for i, r in enumerate(results)],
+        "choices": [
+            _choice(r.text, r.finish_reason, chat, index=i, logprobs=fmt(r.logprobs, i))
+            for i, r in enumerate(results)
+        ],
         "usage": _usage_of(results),
         "dspark": _dspark_info(results[0]),
     }
