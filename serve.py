@@ -65,6 +65,12 @@ def parse_args(argv=None):
         help="requests with a seed: coupled (default; output identical whatever the load "
         "and scheduler) or standard rejection sampling (accepts more drafts)",
     )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="most logprobs alternatives a request may ask for (0: each token's own only)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default=None, help="name reported by /v1/models")
@@ -99,6 +105,7 @@ def parse_args(argv=None):
         ("max_len", 4),
         ("max_queue", 1),
         ("prefill_batch", 1),
+        ("max_logprobs", 0),
         ("demo_prompts", 1),
         ("demo_tokens", 1),
     )
@@ -160,6 +167,7 @@ def build_engine(args, drafter_dir, scheduler, models=None):
         max_queue=args.max_queue,
         prefill_batch=args.prefill_batch,
         seeded_verification=args.seeded_verification,
+        max_logprobs=args.max_logprobs,
         threshold=args.threshold,
         sps_cache=args.sps_cache or default_cache_path(),
         model_name=name,

@@ -41,9 +41,9 @@ MESSAGES = [{"role": "user", "content": "a function that reverses a list"}]
 # kind -> (endpoint, body factory, expected status); bodies get a max_tokens of --tokens.
 KINDS = (
     "greedy", "sampled", "seeded", "chat", "stream", "chat_stream", "disconnect",
-    "malformed", "oversize", "unsupported", "n2",
+    "malformed", "oversize", "unsupported", "n2", "logprobs", "too_long",
 )  # fmt: skip
-BAD = {"malformed": 400, "oversize": 400, "unsupported": 400}
+BAD = {"malformed": 400, "oversize": 400, "unsupported": 400, "too_long": 400}
 
 
 def request_for(kind: str, i: int, tokens: int) -> tuple[str, object]:
@@ -65,6 +65,10 @@ def request_for(kind: str, i: int, tokens: int) -> tuple[str, object]:
         body["logit_bias"] = {"1": 5}
     if kind == "n2":
         body["n"] = 2
+    if kind == "logprobs":
+        body["logprobs"] = 5
+    if kind == "too_long":  # prompt + max_tokens beyond the cache row: context_length_exceeded
+        body["max_tokens"] = 10**6
     return "/v1/completions", body
 
 

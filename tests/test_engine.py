@@ -5,6 +5,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import dataclasses
 import time
 
 import jax
@@ -15,6 +16,7 @@ from dspark_jax.data.tokenizer_train import train_bpe_tokenizer
 from dspark_jax.decode.autoregressive import generate
 from dspark_jax.decode.policy import default_buckets
 from dspark_jax.serve.engine import (
+    ContextLengthExceeded,
     Delta,
     Engine,
     EngineConfig,
@@ -59,6 +61,13 @@ def setup(tmp_path_factory):
     engine.shutdown(drain=False, timeout=30)
 
 
+def _fit(tok, prompt, n: int) -> SamplingParams:
+    """Greedy, ``n`` new tokens, or as many as the cache row holds after ``prompt`` (a
+    prompt plus max_tokens beyond it is a context-length error, not a truncation)."""
+    ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
+    return SamplingParams(max_tokens=min(n, MAX_LEN - len(ids)))
+
+
 def _run_all(engine, prompts, params_list, timeout=120):
     """Submit everything (waiting whenever the bounded queue is full); return results."""
     handles, i = [], 0
@@ -91,9 +100,10 @@ def test_warmup_compiles_every_bucket(setup):
 def test_greedy_matches_autoregressive(setup):
     tok, target, tp, engine = setup
     n_new = 12
-    results = _run_all(engine, PROMPTS, [SamplingParams(max_tokens=n_new)] * len(PROMPTS))
+    results = _run_all(engine, PROMPTS, [_fit(tok, p, n_new) for p in PROMPTS])
     ids = [tok.encode(p) for p in PROMPTS]
     assert max(len(x) for x in ids) > 16  # both prefill buckets are exercised
+    assert max(len(x) for x in ids) + n_new > MAX_LEN  # one runs to the end of its row
     ref = generate(target, tp, ids, n_new, eos_id=tok.eos_id, max_len=MAX_LEN)
     for res, want, p in zip(results, ref.tokens, ids):
         assert res.token_ids == want
@@ -180,9 +190,13 @@ def test_invalid_requests_name_the_field(setup):
         (SamplingParams(seed="x"), "seed"),
     ]
     for params, field in cases:
-        with pytest.raises(InvalidRequest, match=field) as info:
+        with pytest.raises(InvalidRequest) as info:
             engine.submit("x", params)
         assert info.value.param == field
+        assert field in str(info.value) or "maximum context length" in str(info.value)
+    with pytest.raises(ContextLengthExceeded, match="you requested 33 tokens"):
+        engine.submit("x", SamplingParams(max_tokens=MAX_LEN))
+    assert engine.check_request("x", SamplingParams(max_tokens=MAX_LEN - 1))[1].max_tokens == 31
     with pytest.raises(InvalidRequest, match="at most 30 tokens") as info:
         engine.submit(list(range(3, 3 + MAX_LEN)), SamplingParams())
     assert info.value.param == "prompt"
@@ -228,7 +242,10 @@ def test_seeded_output_does_not_depend_on_the_load(setup, scheduler, verificatio
         assert engine.generate("def add", seeded, timeout=60).token_ids == alone.token_ids
         rng = np.random.default_rng(1)
         others = [PROMPTS[i % len(PROMPTS)] for i in range(6)]
-        params = [SamplingParams(max_tokens=int(rng.integers(2, 14)), temperature=1.0)] * 6
+        params = [
+            dataclasses.replace(_fit(tok, p, int(rng.integers(2, 14))), temperature=1.0)
+            for p in others
+        ]
         prompts = others[:2] + ["def add"] + others[2:]
         results = _run_all(engine, prompts, params[:2] + [seeded] + params[2:])
         assert results[2].token_ids == alone.token_ids
@@ -247,7 +264,8 @@ def test_no_compilation_after_warmup_over_many_requests(setup):
         prompts.append([int(x) for x in rng.integers(3, tok.vocab_size, size=n)])
         params.append(
             SamplingParams(
-                max_tokens=int(rng.integers(1, 10)),
+                # Every fifth runs to the end of its cache row.
+                max_tokens=None if i % 5 == 0 else min(int(rng.integers(1, 10)), MAX_LEN - n),
                 temperature=float(rng.choice([0.0, 0.7, 1.3])),
                 top_k=int(rng.choice([0, 5])),
                 top_p=float(rng.choice([1.0, 0.9])),
@@ -256,8 +274,8 @@ def test_no_compilation_after_warmup_over_many_requests(setup):
         )
     results = _run_all(engine, prompts, params)
     assert all(r.finish_reason in ("stop", "length") for r in results)
-    for r, p in zip(results, params):
-        assert 1 <= r.completion_tokens <= p.max_tokens
+    for r, p, q in zip(results, params, prompts):
+        assert 1 <= r.completion_tokens <= (p.max_tokens or MAX_LEN - len(q))
     assert engine.compilations_after_warmup == 0
     assert engine.stats.rounds > 0 and engine.stats.mean_tau >= 1.0
     _wait_idle(engine)
@@ -286,7 +304,7 @@ def test_fixed_length_verifies_gamma_per_occupied_slot(setup):
         # Every round but a request's last (capped by max_tokens) verifies all γ drafts.
         assert res.mean_verified > 2
         # Several requests at once: the budget grows with the occupied slots.
-        results = _run_all(engine, PROMPTS, [SamplingParams(max_tokens=8)] * len(PROMPTS))
+        results = _run_all(engine, PROMPTS, [_fit(tok, p, 8) for p in PROMPTS])
         refs = generate(target, tp, [tok.encode(p) for p in PROMPTS], 8, eos_id=tok.eos_id,
                         max_len=MAX_LEN).tokens  # fmt: skip
         assert [r.token_ids for r in results] == refs

@@ -3,6 +3,8 @@
 - ``requests``: request/response types (``SamplingParams``, ``Delta``, ``Result``), their
   validation and the request-level errors;
 - ``handle``: ``RequestHandle``, how events reach a sync or asyncio consumer;
+- ``delivery``: an admitted request's host side (stream, stop ids, logprobs, result);
+- ``service``: the engine's warm-up / loop-thread lifecycle;
 - ``text``: detokenisation and stop strings of one output (``TextStream``);
 - ``compilation``: every shape the engine runs, warm-up, SPS and prefill profiling;
 - ``config``: ``EngineConfig`` and the counters ``EngineStats``;
@@ -10,10 +12,12 @@
 - ``loading``: the target and drafter directories a server runs;
 - ``server`` / ``metrics``: the OpenAI-compatible HTTP API and its Prometheus metrics;
 - ``chat``: chat messages -> prompt with the checkpoint's chat template;
+- ``logprobs``: token log-probabilities in the OpenAI completions and chat formats;
 - ``offline``: ``LLM``, offline batches in one Python call over the engine.
 """
 
 from dspark_jax.serve.engine import (
+    ContextLengthExceeded,
     Delta,
     Engine,
     EngineClosed,
@@ -23,11 +27,13 @@ from dspark_jax.serve.engine import (
     RequestHandle,
     Result,
     SamplingParams,
+    TokenLogprob,
     load_models,
 )
 from dspark_jax.serve.offline import LLM
 
 __all__ = [
+    "ContextLengthExceeded",
     "Delta",
     "Engine",
     "EngineClosed",
@@ -38,5 +44,6 @@ __all__ = [
     "RequestHandle",
     "Result",
     "SamplingParams",
+    "TokenLogprob",
     "load_models",
 ]
