@@ -141,6 +141,36 @@ def coupled_section(acc) -> list[str]:
     return out
 
 
+def round_options_section(ro) -> list[str]:
+    """Round time with logprobs (top-20) and with coupled verification vs the plain round
+    (``round_options.json``)."""
+    if not ro:
+        return []
+    out = [
+        "## What serving options cost per round",
+        "",
+        f"Bundled target + DSpark, R = {ro['slots']} active slots at T = 1, γ = {ro['gamma']}, "
+        f"vocabulary {ro['vocab_size']}, every draft verified; median of {ro['rounds']} rounds "
+        "per arm, arms interleaved round by round.",
+        "",
+        f"    {ro['command']}",
+        "",
+        "| arm | median round ms | vs base |",
+        "|---|---|---|",
+    ]
+    for name, a in ro["arms"].items():
+        out.append(f"| {name} | {a['median_round_ms']:.2f} | {a['ratio_to_base']:.3f} |")
+    out += [
+        "",
+        "`top20`: the round also computes each verified row's top-20 target log-probabilities "
+        "(the server's default `--max-logprobs 20`). `coupled`: every slot verified coupled "
+        "(Gumbel noise over the vocabulary for each verified row; only rounds with a coupled "
+        "slot pay it).",
+        "",
+    ]
+    return out
+
+
 def depth_section(acc, main_acc=None) -> list[str]:
     """Draft depth ablation: DSpark and DFlash at the bundled 2 layers and at DeepSpec's
     released 5, same data and steps (``acceptance_depth.json``)."""
@@ -567,6 +597,7 @@ def main() -> None:
             other, "acceptance_other_sets.json", "## Acceptance on the other prompt sets"
         )
     lines += coupled_section(_load(RESULTS / "acceptance_coupled.json"))
+    lines += round_options_section(_load(RESULTS / "round_options.json"))
     lines += depth_section(_load(RESULTS / "acceptance_depth.json"), acc)
     lines += calibration_section(sts, acc)
     lines += verify_section(_load(RESULTS / "verify_cost.json"))
