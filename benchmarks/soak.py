@@ -4,7 +4,9 @@ are still in flight. Results go to ``benchmarks/results/soak.json``.
 
 The mix, cycled: completions (greedy and T = 1, seeded and not), chat completions,
 streaming completions and chat, streaming clients that disconnect after the first chunk,
-malformed JSON bodies, prompts longer than the cache, unsupported fields, ``n = 2``.
+malformed JSON bodies, prompts longer than the cache, unsupported fields, ``n = 2``,
+completions with ``logprobs``, and prompt + ``max_tokens`` beyond the cache (a 400
+``context_length_exceeded``).
 
 Reported: requests sent / answered 200 / completed with a finish reason (a 200 whose body
 or stream ends without one is *lost*), 4xx by bad-input kind (each must be the expected

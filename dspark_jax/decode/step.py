@@ -359,23 +359,11 @@ class SpeculativeDecoder:
             keys = state.slot_keys[jnp.minimum(jnp.asarray(slots), self.config.num_slots - 1)]
         if coupled is None:
             coupled = np.zeros(np.shape(slots), bool)
-        args = (slots, prompts, lengths, max_new, temperature, top_k, top_p, keys, coupled)
-        return self._prefill(self._params, state, *(jnp.asarray(a) for a in args))
+        rows = (slots, prompts, lengths, max_new, temperature, top_k, top_p, keys, coupled)
+        return self._prefill(self._params, state, tuple(jnp.asarray(a) for a in rows))
 
-    def _prefill_impl(
-        self,
-        params,
-        state,
-        slots,
-        prompts,
-        lengths,
-        max_new,
-        temperature,
-        top_k,
-        top_p,
-        keys,
-        coupled,
-    ):
+    def _prefill_impl(self, params, state, rows):
+        slots, prompts, lengths, max_new, temperature, top_k, top_p, keys, coupled = rows
         c = self.config
         tp = params[0]
         b, t = prompts.shape
