@@ -87,6 +87,7 @@ def acceptance_section(
         "happens to land on the loop (τ → γ+1) or not (τ → 1); T = 1 is the comparison that "
         "matches the paper's.",
         "",
+        *_greedy_honesty(rows, drafters, sets),
         "Position-wise conditional acceptance P(accept k | accepted k−1), T = 1:",
         "",
         "| drafter | set | " + " | ".join(f"k={k}" for k in range(1, args["gamma"] + 1)) + " |",
@@ -102,6 +103,42 @@ def acceptance_section(
     if out_name == "acceptance.json":
         out += ["", "![position-wise acceptance](benchmarks/results/figs/position_acceptance.png)"]
     out.append("")
+    return out
+
+
+def _greedy_honesty(rows, drafters, sets) -> list[str]:
+    """Greedy τ pooled over rounds beside its per-prompt mean, and the share of prompts
+    whose greedy continuation ends in a repeated n-gram loop (``eval.metrics.ends_in_loop``:
+    a period of at most 8 tokens over the last 32). Empty for results written before these
+    fields existed."""
+    greedy = {(r["drafter"], r["prompt_set"]): r for r in rows if r["temperature"] == 0}
+    if not greedy or any("loop_share" not in r for r in greedy.values()):
+        return []
+    out = [
+        "Greedy (T = 0) τ pooled over rounds / mean over prompts, and the share of prompts "
+        "whose continuation ends in a loop (the last 32 tokens repeat with a period of at most "
+        "8):",
+        "",
+        "| set | " + " | ".join(drafters) + " | prompts ending in a loop |",
+        "|---|" + "---|" * (len(drafters) + 1),
+    ]
+    for s in sets:
+        cells, share = [], None
+        for d in drafters:
+            r = greedy.get((d, s))
+            if r is None:
+                cells.append("–")
+                continue
+            cells.append(f"{r['tau']:.2f} / {r['tau_prompt_mean']:.2f}")
+            share = r["loop_share"] if share is None else share
+        loop = "–" if share is None else f"{100 * share:.0f} %"
+        out.append(f"| {s} | " + " | ".join(cells) + f" | {loop} |")
+    out += [
+        "",
+        "(The loop share is the first drafter's run; greedy output is the target's own, so "
+        "every drafter's run shows the same continuations up to floating-point ties.)",
+        "",
+    ]
     return out
 
 

@@ -140,3 +140,15 @@ def test_ece_noise_floor_matches_sampling_error_and_shrinks_with_n():
     surv = np.tile([[0.9, 0.6]], (50, 1))
     rep = M.position_calibration(surv, np.full(50, 2), np.full(50, 2))
     assert all(r["ece_floor"] > 0 for r in rep)
+
+
+def test_ends_in_loop_finds_short_periodic_tails_only():
+    from dspark_jax.eval.metrics import ends_in_loop
+
+    assert ends_in_loop([5, 6, 7] + [1, 2] * 16)  # period 2 over the last 32 tokens
+    assert ends_in_loop([9] * 3)  # short output: at least three periods
+    assert ends_in_loop(list(range(40)) + [3, 4, 5, 6, 7, 8, 9, 10] * 4)  # period 8
+    assert not ends_in_loop(list(range(40)))
+    assert not ends_in_loop([1, 2] * 16 + [3])  # the loop was left
+    assert not ends_in_loop([1, 2, 3] * 11, max_period=2)
+    assert not ends_in_loop([4, 4])  # two repeats are not a loop yet

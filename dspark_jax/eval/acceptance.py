@@ -58,6 +58,7 @@ class RoundRecords:
     num_prompts: int
     generated_tokens: np.ndarray  # [num_prompts]
     wall_seconds: float
+    loops: np.ndarray | None = None  # [num_prompts] bool: continuation ends in a loop
 
     def subset(self, prompt_ids) -> RoundRecords:
         ids = np.asarray(sorted(prompt_ids), np.int64)
@@ -73,6 +74,7 @@ class RoundRecords:
             int(ids.size),
             self.generated_tokens[ids],
             self.wall_seconds,
+            None if self.loops is None else self.loops[ids],
         )
 
 
@@ -171,6 +173,7 @@ def collect_rounds(
         len(prompt_ids),
         np.asarray([len(s.tokens) for s in samples], np.int64),
         stats.wall_seconds,
+        np.asarray([metrics.ends_in_loop(s.tokens) for s in samples], bool),
     )
 
 
@@ -218,9 +221,14 @@ def summarize(records: RoundRecords, sts: cal.STS | None = None) -> dict[str, An
         m = r.prompt_index == i
         per_prompt_rounds.append(int(m.sum()))
         per_prompt_tau.append(float(tau_rounds[m].mean()) if m.any() else None)
+    seen = [t for t in per_prompt_tau if t is not None]
     out: dict[str, Any] = {
         "gamma": r.gamma,
         "tau": metrics.mean_tau(r.accepted),
+        # Round-pooled τ weighs long-running prompts more; the per-prompt mean weighs each
+        # prompt once (a prompt stuck in a loop of τ = 1 rounds counts once).
+        "tau_prompt_mean": float(np.mean(seen)) if seen else None,
+        "loop_share": None if r.loops is None else float(np.mean(r.loops)),
         "tau_per_prompt": per_prompt_tau,
         "rounds": int(r.accepted.size),
         "rounds_per_prompt": per_prompt_rounds,

@@ -287,8 +287,21 @@ def threshold_sweep(survival, accepted, verified=None, thresholds=None) -> dict[
     }
 
 
+def ends_in_loop(tokens, max_period: int = 8, tail: int = 32) -> bool:
+    """Whether a continuation ends in a repeated n-gram loop: its last ``tail`` tokens
+    (all of it, if shorter but at least ``3 · period`` long) repeat with a period of at most
+    ``max_period`` tokens, e.g. ``' #', '\n'`` over and over. Such a tail makes greedy τ a
+    coin flip on whether the drafter's argmax lands on the loop."""
+    toks = list(tokens)[-tail:]
+    for p in range(1, max_period + 1):
+        if len(toks) >= 3 * p and all(toks[i] == toks[i - p] for i in range(p, len(toks))):
+            return True
+    return False
+
+
 __all__ = [
     "DEFAULT_BINS",
+    "ends_in_loop",
     "auroc",
     "brier",
     "conditional_acceptance",
