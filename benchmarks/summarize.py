@@ -108,16 +108,15 @@ def acceptance_section(
 
 def _greedy_honesty(rows, drafters, sets) -> list[str]:
     """Greedy τ pooled over rounds beside its per-prompt mean, and the share of prompts
-    whose greedy continuation ends in a repeated n-gram loop (``eval.metrics.ends_in_loop``:
-    a period of at most 8 tokens over the last 32). Empty for results written before these
-    fields existed."""
+    whose greedy continuation ends in a repeated n-gram loop (``eval.metrics.ends_in_loop``).
+    Empty for results written before these fields existed."""
     greedy = {(r["drafter"], r["prompt_set"]): r for r in rows if r["temperature"] == 0}
     if not greedy or any("loop_share" not in r for r in greedy.values()):
         return []
     out = [
         "Greedy (T = 0) τ pooled over rounds / mean over prompts, and the share of prompts "
-        "whose continuation ends in a loop (the last 32 tokens repeat with a period of at most "
-        "8):",
+        "whose continuation ends in a loop (at most half of the 4-grams in its last 32 tokens "
+        "are distinct):",
         "",
         "| set | " + " | ".join(drafters) + " | prompts ending in a loop |",
         "|---|" + "---|" * (len(drafters) + 1),

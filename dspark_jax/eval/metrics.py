@@ -287,16 +287,18 @@ def threshold_sweep(survival, accepted, verified=None, thresholds=None) -> dict[
     }
 
 
-def ends_in_loop(tokens, max_period: int = 8, tail: int = 32) -> bool:
-    """Whether a continuation ends in a repeated n-gram loop: its last ``tail`` tokens
-    (all of it, if shorter but at least ``3 · period`` long) repeat with a period of at most
-    ``max_period`` tokens, e.g. ``' #', '\n'`` over and over. Such a tail makes greedy τ a
-    coin flip on whether the drafter's argmax lands on the loop."""
-    toks = list(tokens)[-tail:]
-    for p in range(1, max_period + 1):
-        if len(toks) >= 3 * p and all(toks[i] == toks[i - p] for i in range(p, len(toks))):
-            return True
-    return False
+def ends_in_loop(tokens, n: int = 4, tail: int = 32, max_distinct: float = 0.5) -> bool:
+    """Whether a continuation ends in a repeated n-gram loop: at most ``max_distinct`` of
+    the ``n``-grams in its last ``tail`` tokens are distinct (e.g. ``' the'`` and ``'\n #'``
+    repeated with varying line lengths; running code repeats few 4-grams within 32
+    tokens). Such a tail makes greedy τ a coin flip on whether the drafter's argmax lands
+    on the loop. Outputs shorter than ``tail`` are judged on what there is (at least
+    ``3 · n`` tokens)."""
+    toks = [int(t) for t in list(tokens)[-tail:]]
+    if len(toks) < 3 * n:
+        return False
+    grams = [tuple(toks[i : i + n]) for i in range(len(toks) - n + 1)]
+    return len(set(grams)) <= max_distinct * len(grams)
 
 
 __all__ = [
