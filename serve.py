@@ -60,10 +60,11 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--seeded-verification",
-        default="coupled",
+        default=None,
         choices=["coupled", "standard"],
-        help="requests with a seed: coupled (default; output identical whatever the load "
-        "and scheduler) or standard rejection sampling (accepts more drafts)",
+        help="requests with a seed: coupled (the server's default; output identical whatever "
+        "the load and scheduler) or standard rejection sampling (accepts more drafts; the "
+        "--demo default: its seeded requests run one at a time on an idle engine)",
     )
     p.add_argument(
         "--max-logprobs",
@@ -100,6 +101,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.slots is None:
         args.slots = 1 if args.demo else 8
+    if args.seeded_verification is None:
+        args.seeded_verification = "standard" if args.demo else "coupled"
     checks = (
         ("slots", 1),
         ("max_len", 4),

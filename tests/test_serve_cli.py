@@ -98,6 +98,13 @@ def test_non_positive_sizes_are_named(flag, capsys):
 def test_demo_defaults_to_one_slot():
     assert serve.parse_args(["--demo"]).slots == 1
     assert serve.parse_args([]).slots == 8
+    # The server keeps seeded outputs load-invariant; the demo (one request at a time)
+    # measures the paper's rejection sampling.
+    assert serve.parse_args([]).seeded_verification == "coupled"
+    assert serve.parse_args(["--demo"]).seeded_verification == "standard"
+    assert serve.parse_args(["--demo", "--seeded-verification", "coupled"]).seeded_verification == (
+        "coupled"
+    )
 
 
 def test_serve_reports_warmup_then_exits_0_on_sigterm(tmp_path):
