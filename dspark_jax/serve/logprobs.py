@@ -31,9 +31,10 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:
 
 def completion_logprobs(
     tokenizer: Tokenizer, lps: Sequence[TokenLogprob], offset: int = 0
-) -> dict[str, Any]:
-    """The completions API's ``logprobs`` object; ``offset``: characters of the output
-    before these tokens (a stream's earlier chunks), for ``text_offset``."""
+) -> tuple[dict[str, Any], int]:
+    """The completions API's ``logprobs`` object and the offset after its last token;
+    ``offset``: characters of the output before these tokens (a stream's earlier chunks),
+    for ``text_offset``."""
     tokens, offsets = [], []
     for lp in lps:
         text, _ = token_text(tokenizer, lp.token_id)
@@ -47,7 +48,7 @@ def completion_logprobs(
             {token_text(tokenizer, t)[0]: v for t, v in lp.top} if lp.top else None for lp in lps
         ],
         "text_offset": offsets,
-    }
+    }, offset
 
 
 def chat_logprobs(tokenizer: Tokenizer, lps: Sequence[TokenLogprob]) -> dict[str, Any]:

@@ -367,9 +367,10 @@ class _LogprobFormat:
             return None
         if self.chat:
             return chat_logprobs(self.tokenizer, lps)
-        start = self.offsets.get(index, 0)
-        self.offsets[index] = start + sum(len(self.tokenizer.decode([x.token_id])) for x in lps)
-        return completion_logprobs(self.tokenizer, lps, start)
+        out, self.offsets[index] = completion_logprobs(
+            self.tokenizer, lps, self.offsets.get(index, 0)
+        )
+        return out
 
 
 def _choice(
