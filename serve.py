@@ -55,6 +55,20 @@ def parse_args(argv=None):
     )
     p.add_argument("--max-len", type=int, default=512, help="cache positions per request")
     p.add_argument("--max-queue", type=int, default=256, help="admission queue bound (429)")
+    p.add_argument("--page-size", type=int, default=16, help="KV cache positions per page")
+    p.add_argument(
+        "--kv-pages",
+        type=int,
+        default=None,
+        help="KV page pool size incl. the null page (default: every slot at --max-len); "
+        "requests wait in the queue while it is full",
+    )
+    p.add_argument(
+        "--attention",
+        choices=("auto", "xla", "pallas_tpu"),
+        default="auto",
+        help="verify attention backend (auto: the TPU kernel on TPU, XLA elsewhere)",
+    )
     p.add_argument(
         "--prefill-batch", type=int, default=4, help="requests prefilled together in one call"
     )
@@ -172,6 +186,9 @@ def build_engine(args, drafter_dir, scheduler, models=None):
         seeded_verification=args.seeded_verification,
         max_logprobs=args.max_logprobs,
         threshold=args.threshold,
+        page_size=args.page_size,
+        kv_pages=args.kv_pages,
+        attention=args.attention,
         sps_cache=args.sps_cache or default_cache_path(),
         model_name=name,
     )

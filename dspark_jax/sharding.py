@@ -49,6 +49,10 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("cache_slots", BATCH_AXES),
     ("cache_length", None),
     ("cache_kv_heads", "tensor"),
+    # The paged KV pool is shared by every slot, so its pages are not split over the batch
+    # axes (a page may belong to any slot); its combined K/V heads follow the KV heads.
+    ("cache_pages", None),
+    ("cache_page_len", None),
 )
 
 

@@ -104,3 +104,22 @@ def test_mesh_whose_axes_split_a_torus_axis():
     mesh = aot.aot_mesh("8,2,1", topology="v5e:4x4")
     assert dict(mesh.shape) == {"data": 8, "fsdp": 2, "tensor": 1}
     assert len({d.id for d in mesh.devices.flat}) == 16
+
+
+@needs_libtpu
+def test_tpu_kernel_lowers_inside_the_serving_round():
+    """XLA:TPU compiles the decode round with the Pallas ragged-paged-attention kernel
+    (in the layer scan, split over the tensor axis) for a model with head_dim 128."""
+    from dspark_jax.models.drafter_config import DrafterConfig
+    from dspark_jax.models.presets import get_preset
+
+    mesh = aot.aot_mesh("1,1,4", topology="v5e:2x2")
+    tgt = get_preset("tiny").replace(
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=128
+    )
+    dc = DrafterConfig(kind="dspark", gamma=3, num_layers=1, markov_rank=16, mask_token_id=1)
+    report, compiled = aot.compile_serve_round(tgt, dc.resolve(tgt), mesh, slots=4, max_len=64)
+    assert report["attention"] == "pallas_tpu" and report["compiler"] == "XLA:TPU"
+    hlo = compiled.as_text()
+    assert 'custom_call_target="tpu_custom_call"' in hlo  # in the layer scan's body
+    assert "ragged_paged_attention" in hlo

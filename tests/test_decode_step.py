@@ -321,7 +321,9 @@ def test_same_rule_with_early_stop_passes(target, exact_dists):
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 9, 9, 9], [2, 20, 2], [17] * 12, [8, 1]]
 
 
-def _greedy_case(target, kind, mode, n_prompts, max_new, buckets=None, slots=3, max_len=48):
+def _greedy_case(
+    target, kind, mode, n_prompts, max_new, buckets=None, slots=3, max_len=48, pages=None
+):
     model, params = target
     drafter, dparams = (None, None) if kind is None else _drafter(kind)
     g = 1 if drafter is None else drafter.config.draft_len
@@ -332,9 +334,12 @@ def _greedy_case(target, kind, mode, n_prompts, max_new, buckets=None, slots=3, 
         params,
         drafter,
         dparams,
-        StepConfig(num_slots=slots, max_len=max_len, scheduler=mode, threshold=0.3),
+        StepConfig(
+            num_slots=slots, max_len=max_len, scheduler=mode, threshold=0.3,
+            **({} if pages is None else {"page_size": 4, "num_pages": pages}),
+        ),
         sps_table=table if mode in ("prefix", "topk") else None,
-    )
+    )  # fmt: skip
     prompts = [PROMPTS[i % len(PROMPTS)] + [i % V] for i in range(n_prompts)]
     news = [max_new - (i % 3) for i in range(n_prompts)]
     runner = Runner(dec, buckets=buckets)
@@ -371,6 +376,18 @@ def test_greedy_matches_autoregressive(target, kind, mode):
         # occupied slot, so the last rounds, with slots free, verify in smaller shapes.
         assert 1 < dec._round._cache_size() <= 3  # at most one per occupancy level
         assert st.mean_budget < dec.full_budget
+
+
+def test_greedy_with_a_page_pool_smaller_than_the_slots(target):
+    """8 pages of 4 positions for 3 slots of 48: about two requests fit at a time, the
+    rest wait for pages, which are then reused in another order; greedy output is still
+    autoregressive decoding token for token."""
+    dec, runner, st = _greedy_case(target, "dspark", "topk", 8, 10, pages=9)
+    assert dec.num_pages == 9 < dec.full_pool
+    with pytest.raises(ValueError, match="pass page_rows from a PagePool"):
+        dec.prefill(dec.init_state(), [0], [[1, 2]], [2], [4], [0.0], [0], [1.0])
+    with pytest.raises(ValueError, match=r"request 0: the request needs 9 KV pages"):
+        runner.generate([Request([1] * 30, 6)])
 
 
 @pytest.mark.parametrize("mode", ["topk", "prefix"])
@@ -464,10 +481,13 @@ def test_inactive_slots_untouched_and_packed_rows(target):
         names = ("seq_len", "anchor", "remaining", "active", "ctx_tokens", "ctx_feats")
         for name in names + ("slot_keys",):  # idle slots' random streams do not advance
             np.testing.assert_array_equal(getattr(before, name)[s], getattr(after, name)[s])
-        np.testing.assert_array_equal(before.cache.k[:, s], after.cache.k[:, s])
-        np.testing.assert_array_equal(before.cache.v[:, s], after.cache.v[:, s])
+        pages = before.page_table[s]  # the slot's own pages (static rows: the full pool)
+        assert (pages > 0).all()
+        np.testing.assert_array_equal(before.cache.kv[:, pages], after.cache.kv[:, pages])
         assert int(out.num_emitted[s]) == 0 and int(out.verified[s]) == 0
     assert int(after.seq_len[1]) == 3 + int(out.accepted[1]) + 1
+    # Pages are given at prefill only: a round never changes the page table.
+    np.testing.assert_array_equal(before.page_table, after.page_table)
 
     # The verify pass runs on R + K packed rows: the LM head's logits are [R + K, V] and
     # nothing of the unpruned size R·(G+1) x V is materialised when K is small.
@@ -605,5 +625,7 @@ def test_batched_prefill_with_padding_rows_equals_one_at_a_time(target):
     assert [int(x) for x in out.first_token[:2]] == firsts
     for name in ("seq_len", "anchor", "remaining", "active", "ctx_tokens", "ctx_feats"):
         np.testing.assert_array_equal(getattr(batched, name), getattr(single, name), err_msg=name)
-    np.testing.assert_array_equal(np.asarray(batched.cache.k), np.asarray(single.cache.k))
+    # Padding rows write only into the null page 0, which no slot reads.
+    np.testing.assert_array_equal(np.asarray(batched.cache.kv[:, 1:]), single.cache.kv[:, 1:])
+    np.testing.assert_array_equal(batched.page_table, single.page_table)
     assert not bool(batched.active[1]) and int(batched.seq_len[1]) == 0  # slot 1 untouched

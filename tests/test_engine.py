@@ -378,3 +378,43 @@ def test_host_never_waits_on_the_round_in_flight(setup):
 def test_engine_config_names_a_bad_seeded_verification():
     with pytest.raises(ValueError, match=r"seeded_verification must be one of \['coupled'"):
         EngineConfig(seeded_verification="exact")
+
+
+def test_page_exhaustion_queues_requests_and_loses_none(setup):
+    """A KV page pool far smaller than slots × max_len: requests wait in the queue for
+    pages (never dropped), greedy outputs still equal autoregressive decoding, every page
+    comes back, and a request the pool could never hold is refused up front."""
+    from dspark_jax.decode.pages import PagePool
+    from dspark_jax.serve.metrics import EngineMetrics
+
+    tok, target, tp, _ = setup
+    _, _, drafter, dp = tiny_random_models(tok, "dspark", gamma=3, max_len=MAX_LEN)
+    # Pages of 4 positions, 13 usable: only two or three of these requests fit at once.
+    cfg = EngineConfig(
+        num_slots=SLOTS, max_len=MAX_LEN, scheduler="fixed", page_size=4, kv_pages=14,
+        verify_buckets=(12,),
+    )  # fmt: skip
+    engine = Engine(target, tp, tok, drafter, dp, cfg).start()
+    try:
+        assert engine.pages.capacity == 13 and engine.attention_backend == "xla"
+        prompts = PROMPTS * 2
+        results = _run_all(engine, prompts, [_fit(tok, p, 12) for p in prompts])
+        ids = [tok.encode(p) for p in prompts]
+        ref = generate(target, tp, ids, 12, eos_id=tok.eos_id, max_len=MAX_LEN)
+        assert [r.token_ids for r in results] == ref.tokens
+        assert engine.stats.page_waits > 0  # the pool, not the slots, held requests back
+        assert engine.wait_idle(30) and engine.pages.free == engine.pages.capacity
+        text = EngineMetrics(engine).render()[0].decode()
+        assert 'dspark_kv_pages{state="free"} 13.0' in text
+        assert 'dspark_attention_backend{backend="xla"} 1.0' in text
+        # Admission checks the pool: with 5 pages, a 20 + 12 token request (8 pages) could
+        # never start, so it is refused rather than left waiting forever.
+        pool, engine.pages = engine.pages, PagePool(6, 4, MAX_LEN)
+        try:
+            with pytest.raises(InvalidRequest, match=r"needs 8 KV pages of 4 tokens .* has 5"):
+                engine.submit([5] * 20, SamplingParams(max_tokens=12))
+        finally:
+            engine.pages = pool
+        assert engine.compilations_after_warmup == 0
+    finally:
+        engine.shutdown(drain=False, timeout=30)

@@ -18,6 +18,7 @@ import pytest
 from dspark_jax.convert import load_hf, param_shapes, save_hf
 from dspark_jax.models.presets import PRESETS
 from dspark_jax.models.qwen3 import Qwen3, Qwen3Config, init_cache
+from dspark_jax.ops.paged_attention import layout_for_rows
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -79,11 +80,14 @@ def _jitted(config: Qwen3Config):
     model = Qwen3(config)
     forward = jax.jit(lambda p, t: model.apply({"params": p}, t))
     prefill = jax.jit(
-        lambda p, t, n, s, c: model.apply({"params": p}, t, n, s, c, method=Qwen3.prefill)
+        lambda p, t, n, table, c: model.apply({"params": p}, t, n, table, c, method=Qwen3.prefill)
     )
-    decode = jax.jit(
-        lambda p, t, pos, s, c: model.apply({"params": p}, t, pos, s, c, method=Qwen3.decode)
-    )
+
+    def decode_rows(p, t, pos, s, table, c):
+        layout = layout_for_rows(s, pos[:, 0], table)
+        return model.apply({"params": p}, t, pos, s, c, layout, method=Qwen3.decode)
+
+    decode = jax.jit(decode_rows)
     return forward, prefill, decode
 
 
@@ -127,15 +131,18 @@ def test_greedy_continuation_matches_transformers(hf_checkpoint):
 
     # Ours: prefill into two cache slots, then decode one token per row per step.
     slots = jnp.arange(2, dtype=jnp.int32)
-    cache = init_cache(config, num_slots=2, max_len=width + NEW_TOKENS)
-    logits, cache, _ = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), slots, cache)
+    pages = -(-(width + NEW_TOKENS) // 8)  # pages of 8 positions, slot 1's first
+    table = jnp.asarray(1 + np.arange(2 * pages)[::-1].reshape(2, pages), jnp.int32)
+    cache = init_cache(config, 2 * pages + 1, 8)
+    logits, cache, _ = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), table, cache)
     step_logits = [np.asarray(logits)[np.arange(2), lengths - 1]]
     positions = lengths.copy()
     for _ in range(NEW_TOKENS - 1):
         nxt = step_logits[-1].argmax(-1).astype(np.int32)
         logits, cache, _ = decode(
-            params, jnp.asarray(nxt[:, None]), jnp.asarray(positions[:, None]), slots, cache
-        )
+            params, jnp.asarray(nxt[:, None]), jnp.asarray(positions[:, None]), slots, table,
+            cache,
+        )  # fmt: skip
         step_logits.append(np.asarray(logits)[:, 0])
         positions += 1
     ours = np.stack(step_logits, axis=1)  # [2, NEW_TOKENS, V]

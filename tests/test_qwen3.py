@@ -8,6 +8,7 @@ import pytest
 
 from dspark_jax.models.presets import PRESETS
 from dspark_jax.models.qwen3 import Qwen3, Qwen3Config, init_cache
+from dspark_jax.ops.paged_attention import layout_for_rows
 
 CFG = PRESETS["tiny"]
 
@@ -34,17 +35,41 @@ def test_layers_are_stacked(model_and_params):
     assert kernel.shape == (CFG.num_hidden_layers, CFG.hidden_size, CFG.intermediate_size)
 
 
+PAGE = 4  # small pages: every sequence spans several, handed out in shuffled order
+
+
+def _paged(num_slots, max_len, seed=0):
+    """A page pool and a page table giving each slot its own pages, out of order."""
+    per = -(-max_len // PAGE)
+    order = 1 + np.random.default_rng(seed).permutation(num_slots * per)
+    return init_cache(CFG, num_slots * per + 1, PAGE), jnp.asarray(order.reshape(num_slots, per))
+
+
+def _decode(params, cache, table, tokens, positions, slots, valid=None):
+    """Decode rows ``[N]`` (sorted by slot, consecutive positions per slot)."""
+    tokens, positions, slots = (jnp.asarray(x, jnp.int32) for x in (tokens, positions, slots))
+    layout = layout_for_rows(slots, positions, table)
+    valid = None if valid is None else jnp.asarray(valid)[:, None]
+    return _apply(
+        {"params": params},
+        tokens[:, None],
+        positions[:, None],
+        slots,
+        cache,
+        layout,
+        valid,
+        method=Qwen3.decode,
+    )
+
+
 def test_token_by_token_cache_matches_full_forward(model_and_params):
     model, params = model_and_params
     tokens = _tokens(2, 12)
     full = _apply({"params": params}, tokens)
-    cache = init_cache(CFG, num_slots=3, max_len=16)
-    slots = jnp.array([2, 0])
-    decode = jax.jit(
-        lambda p, t, pos, c: _apply({"params": p}, t, pos, slots, c, method=Qwen3.decode)
-    )
+    cache, table = _paged(3, 16)
+    table = table[jnp.array([2, 0])]  # the two rows use slots 2 and 0's pages
     for t in range(12):
-        logits, cache, _ = decode(params, tokens[:, t : t + 1], jnp.full((2, 1), t), cache)
+        logits, cache, _ = _decode(params, cache, table, tokens[:, t], [t, t], [0, 1])
         np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
 
 
@@ -52,32 +77,28 @@ def test_chunked_decode_with_slots_at_different_lengths(model_and_params):
     model, params = model_and_params
     tokens = _tokens(3, 14, seed=2)
     full = _apply({"params": params}, tokens)
-    cache = init_cache(CFG, num_slots=3, max_len=16)
+    cache, table = _paged(3, 16, seed=1)
     # Prefill different prompt lengths into the three slots.
     lengths = jnp.array([3, 6, 1])
-    slots = jnp.array([0, 1, 2])
     logits, cache, _ = _apply(
-        {"params": params}, tokens, lengths, slots, cache, method=Qwen3.prefill
+        {"params": params}, tokens, lengths, table, cache, method=Qwen3.prefill
     )
     for b in range(3):
         n = int(lengths[b])
         np.testing.assert_allclose(logits[b, :n], full[b, :n], atol=1e-5, rtol=1e-5)
-    # Then chunks of 4 tokens per slot, each slot continuing from its own length; the
-    # last chunk is partly invalid (past the 14 tokens we have).
+    # Then chunks of 4 rows per slot (one token each), each slot continuing from its own
+    # length; the last chunk is partly invalid (past the 14 tokens we have).
     pos = np.array(lengths)
     while (pos < 14).any():
         chunk_pos = pos[:, None] + np.arange(4)[None, :]
         valid = chunk_pos < 14
         chunk = np.take_along_axis(np.asarray(tokens), np.minimum(chunk_pos, 13), axis=1)
-        logits, cache, _ = _apply(
-            {"params": params},
-            jnp.asarray(chunk),
-            jnp.asarray(chunk_pos),
-            slots,
-            cache,
-            jnp.asarray(valid),
-            method=Qwen3.decode,
-        )
+        slots = np.repeat(np.arange(3), 4)
+        logits, cache, _ = _decode(
+            params, cache, table, chunk.reshape(-1), chunk_pos.reshape(-1), slots,
+            valid.reshape(-1),
+        )  # fmt: skip
+        logits = logits.reshape(3, 4, -1)
         for b in range(3):
             for j in range(4):
                 if valid[b, j]:
@@ -92,24 +113,12 @@ def test_packed_rows_of_one_slot(model_and_params):
     model, params = model_and_params
     tokens = _tokens(1, 10, seed=3)
     full = _apply({"params": params}, tokens)
-    cache = init_cache(CFG, num_slots=2, max_len=16)
+    cache, table = _paged(2, 16, seed=2)
     _, cache, _ = _apply(
-        {"params": params},
-        tokens[:, :6],
-        jnp.array([6]),
-        jnp.array([1]),
-        cache,
-        method=Qwen3.prefill,
+        {"params": params}, tokens[:, :6], jnp.array([6]), table[1:], cache, method=Qwen3.prefill
     )
-    rows = tokens[0, 6:10][:, None]  # [4, 1]: four rows, one token each, all slot 1
-    logits, _, _ = _apply(
-        {"params": params},
-        rows,
-        jnp.arange(6, 10)[:, None],
-        jnp.ones(4, jnp.int32),
-        cache,
-        method=Qwen3.decode,
-    )
+    # Four rows of slot 1 after an empty slot 0.
+    logits, _, _ = _decode(params, cache, table, tokens[0, 6:10], np.arange(6, 10), [1] * 4)
     np.testing.assert_allclose(logits[:, 0], full[0, 6:10], atol=1e-5, rtol=1e-5)
 
 
@@ -118,29 +127,17 @@ def test_rolled_back_entries_are_ignored(model_and_params):
     model, params = model_and_params
     tokens = _tokens(1, 8, seed=4)
     full = _apply({"params": params}, tokens)
-    cache = init_cache(CFG, num_slots=1, max_len=16)
+    cache, table = _paged(1, 16, seed=3)
     junk = _tokens(1, 8, seed=5)
     _, cache, _ = _apply(
-        {"params": params}, junk, jnp.array([8]), jnp.array([0]), cache, method=Qwen3.prefill
+        {"params": params}, junk, jnp.array([8]), table, cache, method=Qwen3.prefill
     )
     # Overwrite only the first 5 positions with the real prompt; 5..7 hold junk.
     _, cache, _ = _apply(
-        {"params": params},
-        tokens[:, :5],
-        jnp.array([5]),
-        jnp.array([0]),
-        cache,
-        method=Qwen3.prefill,
+        {"params": params}, tokens[:, :5], jnp.array([5]), table, cache, method=Qwen3.prefill
     )
-    logits, _, _ = _apply(
-        {"params": params},
-        tokens[:, 5:8],
-        jnp.arange(5, 8)[None],
-        jnp.array([0]),
-        cache,
-        method=Qwen3.decode,
-    )
-    np.testing.assert_allclose(logits[0], full[0, 5:8], atol=1e-5, rtol=1e-5)
+    logits, _, _ = _decode(params, cache, table, tokens[0, 5:8], np.arange(5, 8), [0] * 3)
+    np.testing.assert_allclose(logits[:, 0], full[0, 5:8], atol=1e-5, rtol=1e-5)
 
 
 def test_segments_isolate_packed_documents(model_and_params):
@@ -179,8 +176,16 @@ def test_config_errors():
         Qwen3Config.from_dict({"hidden_sise": 3})
     with pytest.raises(ValueError, match="Unsupported architecture"):
         Qwen3Config.from_hf_dict({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
-    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
-        init_cache(CFG, 1, CFG.max_position_embeddings + 1)
+    with pytest.raises(ValueError, match="page 0 is the null page"):
+        init_cache(CFG, 1, 16)
+    model, params = Qwen3(CFG), {}
+    with pytest.raises(ValueError, match=r"decode takes token rows \[N, 1\]"):
+        cache, table = _paged(1, 8)
+        model.apply(
+            {"params": params}, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32),
+            jnp.zeros((1,), jnp.int32), cache, layout_for_rows(jnp.zeros(1, jnp.int32),
+            jnp.zeros(1, jnp.int32), table), method=Qwen3.decode,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize(

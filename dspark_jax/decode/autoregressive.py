@@ -18,7 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.models.qwen3 import Qwen3, init_cache
+from dspark_jax.ops.paged_attention import RaggedLayout, pages_per_sequence, resolve_backend
 from dspark_jax.ops.sampling import process_logits, sample
+
+PAGE_SIZE = 16  # positions per KV page (every prompt gets its own pages up to max_len)
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"  # hit max_new_tokens or the end of the cache
@@ -54,10 +57,12 @@ def _generate(
     max_len: int,
 ):
     num = prompts.shape[0]
-    cache = init_cache(model.config, num, max_len)
+    pages = pages_per_sequence(max_len, PAGE_SIZE)
+    cache = init_cache(model.config, num * pages + 1, PAGE_SIZE)  # + the null page 0
+    table = 1 + jnp.arange(num * pages, dtype=jnp.int32).reshape(num, pages)
     slots = jnp.arange(num, dtype=jnp.int32)
     logits, cache, _ = model.apply(
-        {"params": params}, prompts, prompt_lens, slots, cache, method=Qwen3.prefill
+        {"params": params}, prompts, prompt_lens, table, cache, method=Qwen3.prefill
     )
     last = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
 
@@ -70,13 +75,19 @@ def _generate(
 
     def step(carry, _):
         cache, token, pos, done, rng = carry
+        # One row per prompt; finished rows still attend (clamped), but write nothing.
+        layout = RaggedLayout(
+            jnp.arange(num + 1, dtype=jnp.int32), jnp.minimum(pos + 1, max_len), table
+        )
         lg, cache, _ = model.apply(
             {"params": params},
             token[:, None],
-            pos[:, None],
+            jnp.minimum(pos, max_len - 1)[:, None],
             slots,
             cache,
+            layout,
             (~done)[:, None],
+            attention=resolve_backend(head_dim=model.config.head_dim),
             method=Qwen3.decode,
         )
         rng, key = jax.random.split(rng)

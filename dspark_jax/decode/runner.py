@@ -1,7 +1,9 @@
 """Host loop for offline speculative generation: continuous batching over fixed slots.
 
-Prompts wait in a queue; a free slot gets the next prompt (prefill in a length bucket),
-every round advances all active slots, finished slots are refilled. Per sample it records
+Prompts wait in a queue; a free slot gets the next prompt (prefill in a length bucket)
+once the KV page pool can hold it (``decode.pages``: prompt + max_new_tokens reserved at
+admission), every round advances all active slots, finished slots are refilled and their
+pages freed. Per sample it records
 the generated ids, the finish reason and, per round, the tokens accepted and verified.
 
 Verify budgets (compiled buckets K, draft tokens per round) come from
@@ -21,6 +23,7 @@ import jax
 import numpy as np
 
 from dspark_jax.decode.autoregressive import length_bucket
+from dspark_jax.decode.pages import PagePool
 from dspark_jax.decode.policy import RoundPolicy, default_buckets, profile_decoder_sps
 from dspark_jax.decode.step import (
     FINISH_NAMES,
@@ -117,6 +120,7 @@ class Runner:
                 np.array([0.0], np.float32),
                 np.array([0]),
                 np.array([1.0], np.float32),
+                page_rows=self.decoder.static_page_rows([0]),  # compiles; any pages do
             )
         state = self.policy.warmup(state)
         jax.block_until_ready(state.seq_len)
@@ -134,6 +138,13 @@ class Runner:
                 )
             if req.max_new_tokens < 1:
                 raise ValueError(f"request {i}: max_new_tokens must be >= 1")
+        pool = PagePool(dec.num_pages, cfg.page_size, cfg.max_len)
+        for i, req in enumerate(requests):
+            try:
+                pool.check_fits(len(req.prompt), req.max_new_tokens)
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
+        slot_pages: list[np.ndarray | None] = [None] * cfg.num_slots
         state = dec.init_state(self.seed)
         queue = collections.deque(enumerate(requests))
         slot_req: list[int | None] = [None] * cfg.num_slots
@@ -145,11 +156,18 @@ class Runner:
         def finish(slot, reason):
             results[slot_req[slot]].finish_reason = reason
             slot_req[slot] = None
+            pool.release(slot_pages[slot])
+            slot_pages[slot] = None
 
         while queue or any(s is not None for s in slot_req):
             for slot in range(cfg.num_slots):
                 while slot_req[slot] is None and queue:
-                    idx, req = queue.popleft()
+                    idx, req = queue[0]
+                    pages = pool.allocate(len(req.prompt), req.max_new_tokens)
+                    if pages is None:  # first come, first served: wait for freed pages
+                        break
+                    queue.popleft()
+                    slot_pages[slot] = pages
                     t = min(length_bucket(len(req.prompt)), cfg.max_len)
                     padded = np.zeros((1, t), np.int32)
                     padded[0, : len(req.prompt)] = req.prompt
@@ -164,6 +182,7 @@ class Runner:
                         np.array([req.top_p], np.float32),
                         self.request_keys(idx, req)[None],
                         np.array([req.coupled]),
+                        pages[None],
                     )
                     first, code = int(pre.first_token[0]), int(pre.finish[0])
                     results[idx] = SampleResult(idx, req.prompt_index, [first], "", [], [])

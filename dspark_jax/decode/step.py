@@ -20,11 +20,11 @@ A round for R slots with verify budget K (one compiled function per K):
    target runs ``Qwen3.decode`` on ``[R + K, 1]``: projections, MLP and LM head cost
    ``O(R + K)``, not ``O(R·(G+1))``.
 
-   Attention layout: each packed row gathers its slot's whole cache row
-   (``[max_len, kv_heads, head_dim]`` per layer) and attends to positions ``<=`` its own.
-   Attention FLOPs and the gathered bytes are ``O((R + K)·max_len)`` per layer, so they
-   also scale with the packed size; the gather materialises ``(R + K)·max_len·kv·hd``
-   elements per layer (a paged/flash kernel would read the cache in place).
+   Attention: the target's K/V live in a page pool (``ops.paged_attention``; each slot's
+   page-table row ``page_table[r]`` is set at prefill). The packed rows' K/V are written
+   into their pages in place, then ragged paged attention reads each slot's pages only up
+   to its length (``StepConfig.attention``: the TPU kernel reads them once for all the
+   slot's rows; the XLA reference gathers them per row).
 4. Accept (greedy or rejection sampling), commit by lengths only (rejected cache entries
    stay and are overwritten later), append the features of committed positions to the
    drafter context.
@@ -58,9 +58,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.decode.pages import full_pool_pages
 from dspark_jax.decode.verify import verify_coupled, verify_greedy, verify_sampling
 from dspark_jax.models.draft_api import DraftContext, SamplingSettings
-from dspark_jax.models.qwen3 import KVCache, Qwen3, init_cache
+from dspark_jax.models.qwen3 import Qwen3, init_cache
+from dspark_jax.ops.paged_attention import (
+    ATTENTION_BACKENDS,
+    NULL_PAGE,
+    PagedKVCache,
+    RaggedLayout,
+    pages_per_sequence,
+    resolve_backend,
+)
 from dspark_jax.ops.sampling import (
     StepKeys,
     position_keys,
@@ -97,7 +106,8 @@ def request_key_data(*seed: int) -> np.ndarray:
 
 
 class DecodeState(NamedTuple):
-    cache: KVCache
+    cache: PagedKVCache  # the target's page pool (ops.paged_attention)
+    page_table: Array  # [R, pages_per_seq] int32: each slot's pages (set at prefill)
     ctx_feats: Array  # [R, M, F] drafter context rows: tap features, or K/V (DSpark/DFlash)
     ctx_tokens: Array  # [R, M] int32
     seq_len: Array  # [R] int32
@@ -159,8 +169,24 @@ class StepConfig:
     fixed_length: int | None = None  # fixed arm: verify this many drafts (default: all)
     eos_id: int = -1
     top_logprobs: int = 0  # most likely target tokens reported per emitted token (static)
+    # Paged KV cache (ops.paged_attention): positions per page, and pages in the pool
+    # including the null page (None: every slot at max_len, ``pages.full_pool_pages``).
+    page_size: int = 16
+    num_pages: int | None = None
+    # Verify attention backend: auto (pallas_tpu on TPU, else xla), xla or pallas_tpu.
+    attention: str = "auto"
 
     def __post_init__(self):
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"Unknown attention backend {self.attention!r}; allowed: {list(ATTENTION_BACKENDS)}"
+            )
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(
+                f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}"
+            )
         if self.top_logprobs < 0:
             raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         if self.scheduler not in SCHEDULER_MODES:
@@ -230,6 +256,11 @@ class SpeculativeDecoder:
             )
         g = self.gamma
         self.table_len = config.num_slots * (g + 1) + 1
+        # The paged cache: its pool, and the backend of the verify attention.
+        self.pages_per_seq = pages_per_sequence(config.max_len, config.page_size)
+        self.full_pool = full_pool_pages(config.num_slots, config.max_len, config.page_size)
+        self.num_pages = config.num_pages or self.full_pool
+        self.attention = resolve_backend(config.attention, head_dim=tcfg.head_dim)
         self._sps = None
         # Host (NumPy) arrays: nothing concrete may be created on the device here, so the
         # same constructor serves ahead-of-time compilation for a TPU topology the host
@@ -286,7 +317,8 @@ class SpeculativeDecoder:
     def init_state(self, seed: int = 0) -> DecodeState:
         c, r = self.config, self.config.num_slots
         return DecodeState(
-            cache=init_cache(self.target.config, r, c.max_len),
+            cache=init_cache(self.target.config, self.num_pages, c.page_size),
+            page_table=jnp.asarray(self.static_page_rows(np.arange(r))),
             ctx_feats=jnp.zeros((r, c.max_len, self.feat_dim), self.target.config.compute_dtype),
             ctx_tokens=jnp.zeros((r, c.max_len), jnp.int32),
             seq_len=jnp.zeros((r,), jnp.int32),
@@ -301,6 +333,20 @@ class SpeculativeDecoder:
             ),
             coupled=jnp.zeros((r,), bool),
         )
+
+    def static_page_rows(self, slots) -> np.ndarray:
+        """Page-table rows ``[len(slots), pages_per_seq]`` giving slot ``s`` the fixed pages
+        ``1 + s·pages_per_seq …`` when the pool holds every slot at max_len (the default
+        pool); otherwise, and for slots ``>= num_slots`` (batch padding), null rows: such a
+        slot writes only the null page, so real requests need rows from a
+        ``decode.pages.PagePool``."""
+        slots = np.asarray(slots, np.int64).reshape(-1)
+        rows = np.full((slots.size, self.pages_per_seq), NULL_PAGE, np.int32)
+        if self.num_pages >= self.full_pool:
+            own = (slots >= 0) & (slots < self.config.num_slots)
+            base = 1 + slots[own, None] * self.pages_per_seq
+            rows[own] = base + np.arange(self.pages_per_seq)
+        return rows
 
     @property
     def full_budget(self) -> int:
@@ -347,23 +393,42 @@ class SpeculativeDecoder:
         top_p,
         keys=None,
         coupled=None,
+        page_rows=None,
     ):
         """Insert prompts ``[B, T]`` (right-padded) into ``slots [B]`` and sample token 1.
 
         ``keys [B, ...]``: each row's random stream as key data (``request_key_data``);
         None: each slot continues its own stream. ``coupled [B]`` bool: rows whose draws are
-        keyed by position (load-invariant, see the module docstring); None: none. A row
-        whose slot is ``>= num_slots`` is computed but writes nothing (batch padding).
+        keyed by position (load-invariant, see the module docstring); None: none.
+        ``page_rows [B, pages_per_seq]``: each row's pages (``decode.pages.PagePool``,
+        enough for prompt + max_new positions); None: ``static_page_rows``, which needs
+        the full-size pool. A row whose slot is ``>= num_slots`` is computed but writes
+        nothing outside the null page (batch padding).
         """
         if keys is None:
             keys = state.slot_keys[jnp.minimum(jnp.asarray(slots), self.config.num_slots - 1)]
         if coupled is None:
             coupled = np.zeros(np.shape(slots), bool)
+        if page_rows is None:
+            if self.num_pages < self.full_pool:
+                raise ValueError(
+                    f"this decoder's page pool ({self.num_pages} pages) is smaller than every "
+                    f"slot at max_len ({self.full_pool}): pass page_rows from a PagePool"
+                )
+            page_rows = self.static_page_rows(slots)
+        page_rows = np.asarray(page_rows, np.int32)
+        if page_rows.shape != (np.size(slots), self.pages_per_seq):
+            raise ValueError(
+                f"page_rows must have shape [{np.size(slots)}, {self.pages_per_seq}] (rows x "
+                f"pages per slot), got {page_rows.shape}"
+            )
         rows = (slots, prompts, lengths, max_new, temperature, top_k, top_p, keys, coupled)
+        rows += (page_rows,)
         return self._prefill(self._params, state, tuple(jnp.asarray(a) for a in rows))
 
     def _prefill_impl(self, params, state, rows):
-        slots, prompts, lengths, max_new, temperature, top_k, top_p, keys, coupled = rows
+        slots, prompts, lengths, max_new, temperature, top_k, top_p, keys, coupled = rows[:9]
+        page_rows = rows[9]
         c = self.config
         tp = params[0]
         b, t = prompts.shape
@@ -371,7 +436,7 @@ class SpeculativeDecoder:
             {"params": tp},
             prompts,
             lengths,
-            slots,
+            page_rows,
             state.cache,
             taps=self.taps,
             return_hidden=True,
@@ -417,6 +482,7 @@ class SpeculativeDecoder:
 
         state = state._replace(
             cache=cache,
+            page_table=put(state.page_table, page_rows),
             ctx_feats=ctx_feats,
             ctx_tokens=ctx_tokens,
             seq_len=put(state.seq_len, lengths),
@@ -646,16 +712,30 @@ class SpeculativeDecoder:
         p_pos = pack(pos_rj, 0)
         p_slot = pack(slot_rj, 0)
         p_valid = pack(included, False)
+        # Ragged layout of the packed rows: slot r's rows are offsets[r] … + counts[r] - 1,
+        # its last positions; sequences listed active slots first (inactive ones have no
+        # rows), so the kernel visits only the num_seqs that verify anything.
+        order = jnp.argsort(~active, stable=True)
+        seq_of_slot = jnp.argsort(order).astype(jnp.int32)  # a slot's place in that list
+        kv_lens = jnp.where(active, state.seq_len + lengths + 1, 0)
+        layout = RaggedLayout(
+            cu_q_lens=jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts[order])]),
+            kv_lens=kv_lens[order].astype(jnp.int32),
+            page_table=state.page_table[order],
+            num_seqs=jnp.sum(active, dtype=jnp.int32)[None],
+        )
 
         hidden, cache, taps = self.target.apply(
             {"params": tp},
             p_tokens[:, None],
             p_pos[:, None],
-            p_slot,
+            seq_of_slot[p_slot],
             state.cache,
+            layout,
             p_valid[:, None],
             taps=self.taps,
             return_hidden=True,
+            attention=self.attention,
             method=Qwen3.decode,
         )
         logits = self._lm_head_fn(tp)(hidden[:, 0])  # [R+K, V]: the LM head runs on packed rows

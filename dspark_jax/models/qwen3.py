@@ -8,15 +8,18 @@ Three fixed-shape modes share one set of parameters:
 
 * ``__call__`` / ``forward``: full sequence (training, scoring). Attention is causal and
   restricted to equal ``segment_ids`` so packed documents never see each other.
-* ``prefill``: the full-sequence forward that also writes each row's keys/values into a
-  preallocated KV cache slot (positions ``0 .. length-1``).
-* ``decode``: a cached forward over new tokens at per-row positions. Every row belongs to
-  one cache slot; new keys/values are scattered into the cache first, then each query
-  attends to its slot's cache at positions ``<= its own``. Rows of the same slot may be
-  split over several rows (the packed verify buffer uses ``[N, 1]`` rows), so verify
-  compute for projections/MLP/head scales with the number of packed tokens.
+* ``prefill``: the full-sequence forward that also writes each row's keys/values into
+  the pages of its page-table row (positions ``0 .. length-1``).
+* ``decode``: a cached forward over token rows ``[N, 1]`` at per-row positions. Every row
+  belongs to one sequence (decode slot); its keys/values are written into that
+  sequence's pages first, then each row attends to its sequence's cache up to itself with
+  ragged paged attention (``ops.paged_attention``: the rows of a slot are grouped, its
+  pages read only up to its length). The packed verify buffer is such a set of rows, so
+  verify compute for projections/MLP/head scales with the number of packed tokens.
 
-The cache is never stored in the module: it is passed in and returned. Layers are stacked
+The cache (``ops.paged_attention.PagedKVCache``: a page pool shared by all sequences) is
+never stored in the module: it is passed in and returned, carried through the layer scan
+and updated in place. Layers are stacked
 with ``nn.scan`` so compile time does not grow with depth. Any forward can return the
 hidden states of chosen "tap" layers: tap id ``l`` is the output of decoder layer ``l``
 (Hugging Face ``hidden_states[l + 1]``), the DFlash/DeepSpec convention.
@@ -26,11 +29,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from dspark_jax.ops.paged_attention import (
+    PagedKVCache,
+    RaggedLayout,
+    init_paged_cache,
+    ragged_attention,
+    write_kv,
+)
+from dspark_jax.sharding import LOGICAL_RULES
 
 Array = jax.Array
 
@@ -226,36 +238,17 @@ class Qwen3Config:
 # ----------------------------------------------------------------------------------------
 
 
-class KVCache(NamedTuple):
-    """Preallocated cache, ``k``/``v``: ``[layers, slots, max_len, kv_heads, head_dim]``."""
-
-    k: Array
-    v: Array
-
-    @property
-    def num_slots(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
-
-
-def init_cache(config: Qwen3Config, num_slots: int, max_len: int, dtype=None) -> KVCache:
-    if max_len > config.max_position_embeddings:
-        raise ValueError(
-            f"KV cache max_len {max_len} exceeds the model's max_position_embeddings "
-            f"{config.max_position_embeddings}"
-        )
-    shape = (
+def init_cache(config: Qwen3Config, num_pages: int, page_size: int, dtype=None) -> PagedKVCache:
+    """A zeroed page pool for every layer (``ops.paged_attention``; page 0 is the null
+    page, so ``num_pages - 1`` pages can be handed out)."""
+    return init_paged_cache(
         config.num_hidden_layers,
-        num_slots,
-        max_len,
         config.num_key_value_heads,
         config.head_dim,
+        num_pages,
+        page_size,
+        dtype or config.compute_dtype,
     )
-    dtype = dtype or config.compute_dtype
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
 # ----------------------------------------------------------------------------------------
@@ -422,19 +415,23 @@ ACT_AXES = ("activation_batch", "activation_length", "activation_embed")
 class DecoderLayer(nn.Module):
     """One Qwen3 decoder layer, written as a ``nn.scan`` body.
 
-    ``carry = (hidden [B,T,d], tap_buffer [m,B,T,d] or None, layer_index)``;
-    ``layer_cache = (k, v)`` slices ``[S, M, KV, D]`` of this layer (or ``None``);
-    ``ctx`` holds the mode inputs broadcast to every layer.
+    ``carry = (hidden [B,T,d], tap_buffer [m,B,T,d] or None, layer_index, kv_flat)``:
+    ``kv_flat`` is the whole paged cache ``[layers·P, page_size, 2·KV, D]`` (or ``None``
+    in "full" mode), carried rather than scanned so each layer writes its new rows into it
+    in place (``ops.paged_attention``); ``ctx`` holds the mode inputs broadcast to every
+    layer.
     """
 
     config: Qwen3Config
     mode: str = "full"  # "full" | "prefill" | "decode"
     tap_index: tuple[int, ...] = ()  # per layer: slot in the tap buffer or -1
+    pages_per_layer: int = 0  # P: layer l's pages are entries l·P … l·P + P - 1 of kv_flat
+    attention: str = "xla"  # decode attention backend (ops.paged_attention)
 
     @nn.compact
-    def __call__(self, carry, layer_cache, ctx):
+    def __call__(self, carry, ctx):
         cfg = self.config
-        h, taps, layer_idx = carry
+        h, taps, layer_idx, kv_flat = carry
         norm_kw = dict(eps=cfg.rms_norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)
 
         x = RMSNorm(name="input_layernorm", **norm_kw)(h)
@@ -444,7 +441,7 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
 
-        new_cache = layer_cache
+        offset = layer_idx * self.pages_per_layer
         if self.mode in ("full", "prefill"):
             seg = ctx["segment_ids"]
             t = h.shape[1]
@@ -452,15 +449,26 @@ class DecoderLayer(nn.Module):
             mask = causal[None] & (seg[:, :, None] == seg[:, None, :])
             attn = grouped_attention(q, k, v, mask)
             if self.mode == "prefill":
-                new_cache = _scatter_kv(layer_cache, k, v, ctx["slots"], ctx["write_positions"])
-        else:  # decode: write first, then read the slot's cache
-            ck, cv = _scatter_kv(layer_cache, k, v, ctx["slots"], ctx["write_positions"])
-            new_cache = (ck, cv)
-            keys = ck[ctx["slots"]]  # [B, M, KV, D]
-            values = cv[ctx["slots"]]
-            m = keys.shape[1]
-            mask = jnp.arange(m)[None, None, :] <= ctx["positions"][:, :, None]
-            attn = grouped_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask)
+                b, kv_heads, d = k.shape[0], k.shape[2], k.shape[3]
+                kv_flat = write_kv(
+                    kv_flat,
+                    k.reshape(b * t, kv_heads, d),
+                    v.reshape(b * t, kv_heads, d),
+                    ctx["page_table"],
+                    jnp.repeat(jnp.arange(b, dtype=jnp.int32), t),
+                    ctx["positions"].reshape(-1),
+                    ctx["write"].reshape(-1),
+                    offset,
+                )
+        else:  # decode: rows [N, 1]; write first, then attend over each row's sequence
+            kv_flat = write_kv(
+                kv_flat, k[:, 0], v[:, 0], ctx["page_table"], ctx["slots"],
+                ctx["positions"][:, 0], ctx["write"][:, 0], offset,
+            )  # fmt: skip
+            attn = ragged_attention(
+                q[:, 0], kv_flat, ctx["layout"], offset, self.attention,
+                heads_axis=dict(LOGICAL_RULES)["cache_kv_heads"],
+            )[:, None]  # fmt: skip
 
         o = attention.output(attn)
         h = h + o
@@ -472,20 +480,7 @@ class DecoderLayer(nn.Module):
             slot = table[layer_idx]
             idx = jnp.maximum(slot, 0)
             taps = taps.at[idx].set(jnp.where(slot >= 0, h.astype(taps.dtype), taps[idx]))
-        return (h, taps, layer_idx + 1), new_cache
-
-
-def _scatter_kv(layer_cache, k, v, slots, write_positions):
-    """Write ``k, v [B, T, KV, D]`` at ``(slots[b], write_positions[b, t])``.
-
-    Positions ``>= max_len`` (used to mark tokens that must not be written) are dropped.
-    """
-    ck, cv = layer_cache
-    b, t = write_positions.shape
-    rows = jnp.broadcast_to(slots[:, None], (b, t))
-    ck = ck.at[rows, write_positions].set(k.astype(ck.dtype), mode="drop")
-    cv = cv.at[rows, write_positions].set(v.astype(cv.dtype), mode="drop")
-    return ck, cv
+        return (h, taps, layer_idx + 1, kv_flat), None
 
 
 class Qwen3(nn.Module):
@@ -552,26 +547,26 @@ class Qwen3(nn.Module):
         self,
         tokens: Array,
         lengths: Array,
-        slots: Array,
-        cache: KVCache,
+        page_table: Array,
+        cache: PagedKVCache,
         taps: tuple[int, ...] | None = None,
         return_hidden: bool = False,
     ):
-        """Causal forward over prompts ``[B,T]`` (left-aligned) writing K/V into slots.
+        """Causal forward over prompts ``[B,T]`` (left-aligned) writing their K/V to pages.
 
-        Row ``b`` goes to cache slot ``slots[b]`` at positions ``0 .. lengths[b]-1``;
-        padding beyond ``lengths[b]`` is not written. Returns ``(logits, cache, taps)``
-        or, with ``return_hidden``, ``(final-normed hidden, cache, taps)`` so callers can
-        apply the LM head only where they need it.
+        Row ``b``'s positions ``0 .. lengths[b]-1`` go to the pages of ``page_table[b]``
+        (``[B, pages_per_seq]``, see ``ops.paged_attention``); padding beyond
+        ``lengths[b]`` is not written. Returns ``(logits, cache, taps)`` or, with
+        ``return_hidden``, ``(final-normed hidden, cache, taps)`` so callers can apply the
+        LM head only where they need it.
         """
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        write = jnp.where(positions < lengths[:, None], positions, cache.max_len)
         ctx = {
             "positions": positions,
             "segment_ids": jnp.ones((b, t), jnp.int32),
-            "slots": slots,
-            "write_positions": write,
+            "page_table": page_table,
+            "write": positions < lengths[:, None],
         }
         h, tap_states, new_cache = self.layers(self.embed(tokens), cache, ctx, taps, "prefill")
         h = self.norm(h)
@@ -583,28 +578,39 @@ class Qwen3(nn.Module):
         tokens: Array,
         positions: Array,
         slots: Array,
-        cache: KVCache,
+        cache: PagedKVCache,
+        layout: RaggedLayout,
         valid: Array | None = None,
         taps: tuple[int, ...] | None = None,
         return_hidden: bool = False,
+        attention: str = "xla",
     ):
-        """Cached forward over new tokens ``[B,T]`` of rows belonging to ``slots [B]``.
+        """Cached forward over new token rows ``[N, 1]`` of sequences ``slots [N]``.
 
-        Token ``(b, t)`` sits at absolute position ``positions[b, t]`` of slot ``slots[b]``
-        and sees that slot's cache at positions ``<= positions[b, t]`` (so everything up
-        to it must be committed or written in this call). Tokens with ``valid`` False are
-        not written to the cache and their outputs are meaningless. Returns
-        ``(logits, cache, taps)`` or, with ``return_hidden``, ``(hidden, cache, taps)``.
+        Row ``n`` sits at position ``positions[n, 0]`` of sequence ``slots[n]`` (an index
+        into ``layout``'s sequences, i.e. its page-table row); its K/V is
+        written to that sequence's pages (unless ``valid`` is False), then it attends to
+        its sequence's cache as ``layout`` describes (rows grouped by sequence, each
+        sequence's rows at its last ``q_len`` positions, see ``ops.paged_attention``; the
+        page table is ``layout.page_table``). Rows outside the layout give meaningless
+        outputs. ``attention``: the backend (``ops.paged_attention.ATTENTION_BACKENDS``,
+        resolved). Returns ``(logits, cache, taps)`` or, with ``return_hidden``,
+        ``(hidden, cache, taps)``.
         """
+        if tokens.ndim != 2 or tokens.shape[1] != 1:
+            raise ValueError(f"decode takes token rows [N, 1], got shape {tokens.shape}")
         if valid is None:
             valid = jnp.ones(tokens.shape, bool)
-        write = jnp.where(valid & (positions < cache.max_len), positions, cache.max_len)
         ctx = {
             "positions": positions,
             "slots": slots,
-            "write_positions": write,
+            "page_table": layout.page_table,
+            "write": valid,
+            "layout": layout,
         }
-        h, tap_states, new_cache = self.layers(self.embed(tokens), cache, ctx, taps, "decode")
+        h, tap_states, new_cache = self.layers(
+            self.embed(tokens), cache, ctx, taps, "decode", attention
+        )
         h = self.norm(h)
         out = h if return_hidden else self.logits_from_hidden(h)
         return out, new_cache, tap_states
@@ -616,7 +622,7 @@ class _ScannedLayers(nn.Module):
     config: Qwen3Config
 
     @nn.compact
-    def __call__(self, h, cache, ctx, taps, mode):
+    def __call__(self, h, cache, ctx, taps, mode, attention="xla"):
         cfg = self.config
         n = cfg.num_hidden_layers
         tap_index = [-1] * n
@@ -638,14 +644,25 @@ class _ScannedLayers(nn.Module):
             layer_cls,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(0, nn.broadcast),
+            in_axes=(nn.broadcast,),
             length=n,
             unroll=1 if cfg.scan_layers else n,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        layer_cache = None if cache is None else (cache.k, cache.v)
-        stack = scan(cfg, mode=mode, tap_index=tuple(tap_index), name="layer")
-        (h, tap_buffer, _), new_cache = stack((h, tap_buffer, jnp.int32(0)), layer_cache, ctx)
+        kv_flat, pages = None, 0
         if cache is not None:
-            new_cache = KVCache(*new_cache)
+            if cache.num_layers != n:
+                raise ValueError(f"cache has {cache.num_layers} layers, the model {n}")
+            pages = cache.num_pages
+            kv_flat = cache.kv.reshape((n * pages,) + cache.kv.shape[2:])
+        stack = scan(
+            cfg,
+            mode=mode,
+            tap_index=tuple(tap_index),
+            pages_per_layer=pages,
+            attention=attention,
+            name="layer",
+        )
+        (h, tap_buffer, _, kv_flat), _ = stack((h, tap_buffer, jnp.int32(0), kv_flat), ctx)
+        new_cache = None if cache is None else PagedKVCache(kv_flat.reshape(cache.kv.shape))
         return h, tap_buffer, new_cache

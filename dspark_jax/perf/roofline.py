@@ -7,6 +7,12 @@ layer scan must be unrolled (``Qwen3Config.scan_layers=False``) before the figur
 anything; ``while_loops`` lists the loops that remain (e.g. the γ-step sequential-head
 scan, whose body is then counted once) so a report can say what it undercounts.
 
+XLA does not see inside a Pallas kernel: the TPU ragged-paged-attention custom call counts
+for almost nothing in its cost analysis. ``kernel_attention_cost`` models what that kernel
+moves and computes (each slot's pages up to its length once per layer, its queries and
+outputs; QKᵀ and AV), and the roofline adds it once per call found in the program
+(``ragged_attention_calls``), reported apart from XLA's own figures.
+
 The *floor* is what a round cannot avoid: read every weight once, each slot's KV cache and
 drafter context up to its length once, and run the matmul flops of the tokens verified
 (``decode_round_floor``). The ratio of XLA's bytes to the floor is what a kernel or layout
@@ -129,6 +135,38 @@ def bytes_by_op(hlo_text: str, top: int = 12) -> dict[str, Any]:
     }
 
 
+def ragged_attention_calls(hlo_text: str) -> int:
+    """Calls of the TPU ragged-paged-attention kernel in the program (one per layer when
+    the layer scan is unrolled)."""
+    return sum(
+        1
+        for line in hlo_text.splitlines()
+        if 'custom_call_target="tpu_custom_call"' in line and "ragged_paged_attention" in line
+    )
+
+
+def kernel_attention_cost(
+    target, *, slots: int, rows: int, context_len: int, page_size: int, tensor: int,
+    dtype_bytes: int = 2,
+) -> dict[str, float]:  # fmt: skip
+    """Modelled HBM bytes and flops per chip of one ragged-paged-attention call: every
+    slot's KV pages up to ``context_len`` read once (whole pages), ``rows`` query rows read
+    and written; QKᵀ and AV over ``context_len`` keys. Heads split over ``tensor`` chips
+    (replicated when they do not divide). A slot whose query rows straddle two of the
+    kernel's query blocks is read twice; that is not counted."""
+    kv_heads = target.num_key_value_heads
+    heads = target.num_attention_heads
+    if kv_heads % tensor == 0 and heads % tensor == 0:
+        kv_heads, heads = kv_heads // tensor, heads // tensor
+    pages = -(-context_len // page_size)
+    kv = slots * pages * page_size * 2 * kv_heads * target.head_dim * dtype_bytes
+    qo = 2 * rows * heads * target.head_dim * dtype_bytes
+    return {
+        "bytes": float(kv + qo),
+        "flops": float(4 * rows * context_len * heads * target.head_dim),
+    }
+
+
 def while_loops(hlo_text: str) -> int:
     """Number of while loops left in the program (their bodies are counted once)."""
     return len(re.findall(r"\bwhile\(", hlo_text))
@@ -200,6 +238,8 @@ __all__ = [
     "bytes_by_op",
     "chip_for_topology",
     "cost_of",
+    "kernel_attention_cost",
+    "ragged_attention_calls",
     "round_floor_bytes",
     "round_flops_hand_count",
     "target_forward_flops",

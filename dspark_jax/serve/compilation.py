@@ -32,6 +32,9 @@ class PrefillRow(NamedTuple):
     top_p: float
     keys: np.ndarray  # its random stream, key data (``request_key_data``)
     coupled: bool = False  # position-keyed verification (``decode.verify.verify_coupled``)
+    # Its page-table row (``decode.pages.PagePool.allocate``); None: the decoder's static
+    # row for the slot (the full-size pool), or the null page (warm-up, profiling).
+    pages: np.ndarray | None = None
 
 
 MIN_PROMPT_BUCKET = 16  # smallest prefill length bucket (autoregressive.length_bucket)
@@ -80,8 +83,9 @@ class ServingShapes:
 
     def prefill_many(self, state, rows):
         """One prefill call for ``rows`` (``PrefillRow``s, at most ``max(prefill_rows)``):
-        prompts padded to the longest one's length bucket, the batch padded to a compiled size with rows aimed at slot
-        ``num_slots``, whose cache and state writes are dropped (out-of-range scatter)."""
+        prompts padded to the longest one's length bucket, the batch padded to a compiled
+        size with rows aimed at slot ``num_slots``, whose state writes are dropped
+        (out-of-range scatter) and whose K/V go to the null page."""
         n = len(rows)
         b = next(k for k in self.prefill_rows if k >= n)
         t = max(self.bucket_for(len(r.ids)) for r in rows)
@@ -94,12 +98,16 @@ class ServingShapes:
         top_p = np.ones((b,), np.float32)
         keys = np.stack([request_key_data(0, i) for i in range(b)])  # padding rows: any
         coupled = np.zeros((b,), bool)
-        for i, (slot, ids, mn, temp, k, p, key, cpl) in enumerate(rows):
+        for i, (slot, ids, mn, temp, k, p, key, cpl, _) in enumerate(rows):
             slots[i], lengths[i], max_new[i] = slot, len(ids), mn
             prompts[i, : len(ids)] = ids
             temps[i], top_k[i], top_p[i], keys[i], coupled[i] = temp, k, p, key, cpl
+        pages = self.decoder.static_page_rows(slots)
+        for i, row in enumerate(rows):
+            if row.pages is not None:
+                pages[i] = row.pages
         return self.decoder.prefill(
-            state, slots, prompts, lengths, max_new, temps, top_k, top_p, keys, coupled
+            state, slots, prompts, lengths, max_new, temps, top_k, top_p, keys, coupled, pages
         )
 
     def _fill_all_slots(self, state):

@@ -32,6 +32,14 @@ class EngineConfig:
       seeded output is identical whatever the load and the scheduler; ``standard``:
       rejection sampling like unseeded requests (accepts more drafts; a seed then holds
       under load only with the none/fixed/threshold schedulers).
+    page_size / kv_pages: the paged KV cache (``ops.paged_attention``): positions per page
+      and pages in the pool, the null page included (None: every slot at ``max_len``, so
+      admission never waits for pages). A smaller pool holds more slots of short requests:
+      each admitted request reserves the pages of its prompt + ``max_tokens``; a request
+      that does not fit yet waits in the queue (``/metrics``: ``dspark_kv_pages_*``,
+      ``dspark_requests_waiting_for_pages``).
+    attention: the verify attention backend: ``auto`` (``pallas_tpu`` on TPU, else
+      ``xla``), ``xla`` or ``pallas_tpu`` (logged at start and in ``/metrics``).
     """
 
     num_slots: int = 8
@@ -50,6 +58,9 @@ class EngineConfig:
     prefill_batch: int = 4
     seeded_verification: str = "coupled"
     max_logprobs: int = 20  # vLLM's default bound; the OpenAI API allows up to 20
+    page_size: int = 16
+    kv_pages: int | None = None
+    attention: str = "auto"
 
     def __post_init__(self):
         if self.max_logprobs < 0:
@@ -80,6 +91,9 @@ class EngineConfig:
             fixed_length=self.fixed_length,
             eos_id=eos_id,
             top_logprobs=self.max_logprobs,
+            page_size=self.page_size,
+            num_pages=self.kv_pages,
+            attention=self.attention,
         )
 
 
@@ -105,6 +119,8 @@ class EngineStats:
     device_wait_seconds: float = 0.0
     host_seconds: float = 0.0
     idle_seconds: float = 0.0
+    # Admission passes where the next request had a free slot but not enough free KV pages.
+    page_waits: int = 0
 
     def record_round(self, seconds: float, budget: int, taus: list[int]) -> None:
         """One decode round: its wall time, verify budget and tokens emitted per slot."""

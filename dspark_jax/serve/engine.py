@@ -50,6 +50,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from dspark_jax.decode.pages import PagePool
 from dspark_jax.decode.policy import RoundPolicy
 from dspark_jax.decode.step import FINISH_NONE, SpeculativeDecoder, request_key_data
 from dspark_jax.sched import sps as sps_lib
@@ -128,6 +129,11 @@ class Engine(Service):
         self.policy = RoundPolicy(self.decoder, cfg.verify_buckets)
         self.shapes = ServingShapes(self.decoder, self.policy, cfg, tokenizer.eos_id)
         self.sps_table: sps_lib.SPSTable | None = None
+        # The KV page pool: a request reserves its pages at admission (decode/pages.py).
+        self.pages = PagePool(self.decoder.num_pages, cfg.page_size, cfg.max_len)
+        self._slot_pages: list[np.ndarray | None] = [None] * cfg.num_slots
+        self.waiting_for_pages = False  # the queue's head waits for pages, not a slot
+        self.attention_backend = self.decoder.attention
 
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -165,9 +171,13 @@ class Engine(Service):
         # The serving state starts clean (no slot active).
         self._state = self.decoder.init_state(self.config.seed)
         log.info(
-            "engine warm: prompt buckets %s, verify buckets %s, %.1fs",
+            "engine warm: prompt buckets %s, verify buckets %s, attention %s, KV pool %d "
+            "pages of %d tokens, %.1fs",
             self.prompt_buckets,
             self.verify_buckets,
+            self.attention_backend,
+            self.pages.capacity,
+            self.pages.page_size,
             time.perf_counter() - t0,
         )
 
@@ -208,6 +218,10 @@ class Engine(Service):
             raise ContextLengthExceeded(
                 cfg.max_len, len(ids), params.max_tokens, self.max_prompt_tokens
             )
+        try:  # a request the page pool could never hold must not wait forever
+            self.pages.check_fits(len(ids), params.max_tokens)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
         return ids, params
 
     def submit(
@@ -280,7 +294,7 @@ class Engine(Service):
         for s, a in enumerate(self._slots):
             if a is not None:
                 self._finish(a, reason, error=message)
-                self._slots[s] = None
+                self._vacate(s)
         self._inflight.clear()
 
     def _finish_unstarted(self, h: RequestHandle, reason: str, message=None) -> None:
@@ -308,8 +322,18 @@ class Engine(Service):
                     self._waiting.remove(h)
                     self._finish_unstarted(h, "cancelled")
                 free = [s for s, a in enumerate(self._slots) if a is None]
-                while free and self._waiting:
-                    admitted.append((free.pop(0), self._waiting.popleft()))
+                self.waiting_for_pages = False
+                while free and self._waiting:  # first come, first served
+                    h = self._waiting[0]
+                    row = self.pages.allocate(len(h.prompt_ids), h.params.max_tokens)
+                    if row is None:  # wait until a finished request frees pages
+                        self.waiting_for_pages = True
+                        self.stats.page_waits += 1
+                        break
+                    self._waiting.popleft()
+                    slot = free.pop(0)
+                    self._slot_pages[slot] = row
+                    admitted.append((slot, h))
                 if (
                     self._stop
                     and not self._waiting
@@ -332,7 +356,8 @@ class Engine(Service):
             chunk = admitted[start : start + group]
             rows = [
                 PrefillRow(slot, h.prompt_ids, h.params.max_tokens, h.params.temperature,
-                           h.params.top_k, h.params.top_p, h.keys, h.coupled)
+                           h.params.top_k, h.params.top_p, h.keys, h.coupled,
+                           self._slot_pages[slot])
                 for slot, h in chunk
             ]  # fmt: skip
             self._state, pre = self.shapes.prefill_many(self._state, rows)
@@ -418,14 +443,22 @@ class Engine(Service):
         if code == FINISH_NONE:
             self._end_on_host(slot, a, reason)  # the device slot is still running: free it
         else:
-            self._slots[slot] = None  # the device already deactivated the slot
+            self._vacate(slot)  # the device already deactivated the slot
             self._finish(a, reason)
 
     def _end_on_host(self, slot: int, a: ActiveRequest, reason: str) -> None:
         """A request ended by the host (stop string, cancellation): free its slot now."""
         self._state = self.decoder.release(self._state, slot)
-        self._slots[slot] = None
+        self._vacate(slot)
         self._finish(a, reason)
+
+    def _vacate(self, slot: int) -> None:
+        """The slot is free and its pages go back to the pool. Rounds still in flight
+        run before any later prefill, and the slot is inactive on the device by now, so
+        nothing writes those pages for their old owner again (decode/pages.py)."""
+        self._slots[slot] = None
+        self.pages.release(self._slot_pages[slot])
+        self._slot_pages[slot] = None
 
     def _finish(self, a: ActiveRequest, reason: str, error: str | None = None) -> None:
         if a.done:

@@ -80,6 +80,29 @@ class EngineMetrics:
             "Share of the engine thread's busy time spent on the host, not waiting on the device",
             registry=r,
         )
+        self.kv_pages = Gauge(
+            "dspark_kv_pages",
+            "KV cache pages in the pool (null page excluded), by state: used, free",
+            ["state"],
+            registry=r,
+        )
+        self.waiting_for_pages = Gauge(
+            "dspark_requests_waiting_for_pages",
+            "Queued requests held back because the KV page pool is full (0 when the next "
+            "request only waits for a slot)",
+            registry=r,
+        )
+        self.page_waits = Gauge(
+            "dspark_page_waits",
+            "Admission passes in which the next request had a free slot but not enough pages",
+            registry=r,
+        )
+        self.attention = Gauge(
+            "dspark_attention_backend",
+            "The verify attention backend in use (value 1)",
+            ["backend"],
+            registry=r,
+        )
         if engine is not None:
             self.attach(engine)
 
@@ -93,6 +116,13 @@ class EngineMetrics:
                 lambda p=phase: getattr(engine.stats, f"{p}_seconds")
             )
         self.host_share.set_function(lambda: engine.stats.host_share)
+        self.kv_pages.labels("used").set_function(lambda: engine.pages.used)
+        self.kv_pages.labels("free").set_function(lambda: engine.pages.free)
+        self.waiting_for_pages.set_function(
+            lambda: engine.queue_depth if engine.waiting_for_pages else 0
+        )
+        self.page_waits.set_function(lambda: engine.stats.page_waits)
+        self.attention.labels(engine.attention_backend).set(1)
 
     # -- engine listener hooks (engine thread) ---------------------------------------------
     def on_round(self, seconds: float, budget: int, taus, verified: int) -> None:

@@ -419,18 +419,23 @@ def compile_serve_round(
     device_memory_gb: float | None = None,
     scheduler: str = "fixed",
     dtype: str = "bfloat16",
+    attention: str = "auto",
+    page_size: int = 16,
 ) -> tuple[dict[str, Any], Any]:
     """Compile one fused decode round (draft → schedule → packed verify → commit) of
     ``SpeculativeDecoder`` for ``slots`` request slots, a ``max_len`` KV cache and verify
     budget ``budget`` (default: all drafts, ``R·γ``), with bf16 weights and cache.
 
     Target weights follow the rules table (embed over ``fsdp``, heads/MLP/vocab over
-    ``tensor``); the KV cache and the drafter context (K/V rows for DSpark/DFlash) are split
-    over slots (``data``×``fsdp``) and KV heads (``tensor``).
+    ``tensor``); the paged KV pool (every slot at ``max_len``, pages of ``page_size``) is
+    split over KV heads (``tensor``), the drafter context (K/V rows for DSpark/DFlash) over
+    slots (``data``×``fsdp``) and KV heads. ``attention`` ``auto`` resolves for the mesh's
+    platform (the TPU kernel for a TPU topology).
     """
     from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
     from dspark_jax.models.drafters import init_drafter_params, make_drafter
     from dspark_jax.models.qwen3 import Qwen3
+    from dspark_jax.ops.paged_attention import resolve_backend
 
     tcfg = target_config.replace(dtype=dtype, param_dtype=dtype, remat="none")
     target = Qwen3(tcfg)
@@ -450,12 +455,18 @@ def compile_serve_round(
             t_params,
             drafter,
             d_params,
-            StepConfig(num_slots=slots, max_len=max_len, scheduler=scheduler),
+            StepConfig(
+                num_slots=slots,
+                max_len=max_len,
+                scheduler=scheduler,
+                page_size=page_size,
+                attention=resolve_backend(attention, mesh.devices.flat[0].platform, tcfg.head_dim),
+            ),
         )
         budget = dec.full_budget if budget is None else int(budget)
         state = jax.eval_shape(dec.init_state)
         rep = NamedSharding(mesh, PartitionSpec())
-        cache_names = ("cache_layers", "cache_slots", "cache_length", "cache_kv_heads", None)
+        cache_names = ("cache_layers", "cache_pages", "cache_page_len", "cache_kv_heads", None)
         heads_split = tcfg.num_key_value_heads % mesh.shape.get("tensor", 1) == 0
 
         def place(path, leaf):
@@ -492,6 +503,8 @@ def compile_serve_round(
         "budget": int(budget),
         "gamma": int(dec.gamma),
         "dtype": dtype,
+        "attention": dec.attention,
+        "page_size": int(page_size),
         "lower_s": round(t1 - t0, 2),
         "compile_s": round(t2 - t1, 2),
         "per_device": {

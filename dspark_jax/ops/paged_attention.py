@@ -1,0 +1,311 @@
+"""The paged KV cache and ragged attention over it.
+
+Layout (``PagedKVCache.kv``): ``[layers, num_pages, page_size, 2 * kv_heads, head_dim]``,
+keys at the even and values at the odd entries of the combined-heads axis. It is the
+layout jax's TPU ``ragged_paged_attention`` kernel reads, so that kernel streams a
+sequence's pages straight from the cache. Each sequence (decode slot) owns a row of a page
+table ``[S, pages_per_seq]``: position ``t`` lives at offset ``t % page_size`` of page
+``page_table[s, t // page_size]``. Memory is the page pool, sized by the tokens a server
+holds at once, not ``slots × max_len``.
+
+Page 0 is the *null page*: never handed out (``decode.pages.PagePool``). Page-table
+entries a sequence does not own point at it, padding rows write into it, and every read of
+it lies beyond a sequence's length (masked), so it never leaks into a result.
+
+Inside the layer scan the cache is one flat buffer ``[layers · num_pages, ...]`` carried
+from layer to layer; layer ``l``'s page ``p`` is entry ``l · num_pages + p``. Writes are
+scatters into that carried buffer (in place: no layer slice is ever copied out) and the
+attention kernels receive the whole buffer with page indices offset by ``l · num_pages``.
+
+Ragged attention (``ragged_attention``): query rows are grouped by sequence, the rows of
+sequence ``s`` being ``cu_q_lens[s] : cu_q_lens[s + 1]``; its ``q_len`` queries are its
+*last* positions, ``kv_lens[s] - q_len … kv_lens[s] - 1``, and each attends causally to
+the cache up to itself (the kernel's convention; the verify buffer packs every slot's
+anchor and admitted drafts this way). Rows after ``cu_q_lens[S]`` are padding: their
+output is zero. Backends:
+
+* ``xla``: a blocked reference in plain XLA for any device (CPU tests, and the fallback
+  elsewhere). It walks the cache in blocks of pages only up to the longest sequence in the
+  batch (a while loop, online softmax in float32), so its cost follows the tokens in use,
+  not ``max_len``; each query row gathers its own sequence's pages.
+* ``pallas_tpu``: ``jax.experimental.pallas.ops.tpu.ragged_paged_attention``, which reads
+  each sequence's pages once for all its query rows, only up to its length. Under tensor
+  parallelism it runs per device on its own KV heads (``shard_map``).
+
+``auto`` picks ``pallas_tpu`` on TPU and ``xla`` elsewhere (``resolve_backend``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+Array = jax.Array
+
+NULL_PAGE = 0
+ATTENTION_BACKENDS = ("auto", "xla", "pallas_tpu")
+# The reference walks the cache in blocks of about this many positions per loop step.
+XLA_BLOCK_TOKENS = 256
+_MASKED = -1e30  # finite: a fully masked block must not produce NaNs in the online softmax
+
+
+class PagedKVCache(NamedTuple):
+    """Paged K/V of every layer: ``kv [layers, num_pages, page_size, 2·KV, head_dim]``."""
+
+    kv: Array
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv.shape[0]
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.shape[2]
+
+
+class RaggedLayout(NamedTuple):
+    """Which query rows belong to which sequence, and how far each reads its cache (the
+    metadata of ``ragged_paged_attention``). ``S`` sequences, ``N`` query rows."""
+
+    cu_q_lens: Array  # [S + 1] int32, non-decreasing from 0
+    kv_lens: Array  # [S] int32: positions 0 .. kv_lens[s] - 1 are in the cache
+    page_table: Array  # [S, pages_per_seq] int32
+    # [1] int32: only sequences 0 .. num_seqs - 1 are real (the kernel skips the rest);
+    # None: all S. Sequences with no query rows may also just have q_len 0.
+    num_seqs: Array | None = None
+
+
+def layout_for_rows(slots: Array, positions: Array, page_table: Array) -> RaggedLayout:
+    """The layout of query rows given by their sequence ``slots [N]`` and ``positions
+    [N]``: rows sorted by sequence, each sequence's rows at consecutive positions ending at
+    its last (so ``kv_lens`` is its last position + 1). Sequences without rows get none."""
+    num_seqs = page_table.shape[0]
+    counts = jax.ops.segment_sum(jnp.ones_like(slots), slots, num_seqs)
+    kv_lens = jax.ops.segment_max(positions + 1, slots, num_seqs)
+    kv_lens = jnp.where(counts > 0, kv_lens, 0).astype(jnp.int32)
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
+    return RaggedLayout(cu, kv_lens, page_table.astype(jnp.int32))
+
+
+def pages_per_sequence(max_len: int, page_size: int) -> int:
+    return -(-max_len // page_size)
+
+
+def init_paged_cache(
+    num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, page_size: int, dtype
+) -> PagedKVCache:
+    if num_pages < 2:
+        raise ValueError(
+            f"the page pool needs >= 2 pages (page 0 is the null page), got {num_pages}"
+        )
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    shape = (num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim)
+    return PagedKVCache(jnp.zeros(shape, dtype))
+
+
+def tpu_kernel_problem(head_dim: int) -> str | None:
+    """Why the TPU kernel cannot run this model, or None (its softmax statistics and
+    accumulators are laid out in 128-lane tiles of the head dimension)."""
+    if head_dim % 128:
+        return f"the TPU ragged_paged_attention kernel needs head_dim % 128 == 0, got {head_dim}"
+    return None
+
+
+def resolve_backend(name: str = "auto", platform: str | None = None, head_dim: int = 128) -> str:
+    """The concrete attention backend for ``name`` on ``platform`` (default: the default
+    backend's platform) for a model with ``head_dim``: ``auto`` is the TPU kernel on TPU
+    when it supports the shape, else ``xla``."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"Unknown attention backend {name!r}; allowed: {list(ATTENTION_BACKENDS)}")
+    problem = tpu_kernel_problem(head_dim)
+    if name == "pallas_tpu" and problem:
+        raise ValueError(f"attention backend 'pallas_tpu' cannot serve this model: {problem}")
+    if name != "auto":
+        return name
+    platform = platform or jax.default_backend()
+    return "pallas_tpu" if platform == "tpu" and problem is None else "xla"
+
+
+# ----------------------------------------------------------------------------------------
+# writes
+# ----------------------------------------------------------------------------------------
+def write_kv(
+    kv_flat: Array,
+    k: Array,
+    v: Array,
+    page_table: Array,
+    slots: Array,
+    positions: Array,
+    valid: Array,
+    layer_offset: Array | int = 0,
+) -> Array:
+    """Write ``k, v [N, KV, D]`` of tokens at ``positions [N]`` of sequences ``slots [N]``
+    into ``kv_flat [layers·P, page_size, 2·KV, D]`` (layer given by ``layer_offset =
+    layer · P``). Tokens with ``valid`` False, or past their page table, write nothing."""
+    total, page_size = kv_flat.shape[0], kv_flat.shape[1]
+    pages_per_seq = page_table.shape[1]
+    page_slot = positions // page_size
+    in_table = (page_slot < pages_per_seq) & (positions >= 0) & valid
+    page = page_table[slots, jnp.clip(page_slot, 0, pages_per_seq - 1)] + layer_offset
+    page = jnp.where(in_table, page, total)
+    n, kv_heads, d = k.shape
+    combined = jnp.stack([k, v], axis=2).reshape(n, 2 * kv_heads, d).astype(kv_flat.dtype)
+    return kv_flat.at[page, positions % page_size].set(combined, mode="drop")
+
+
+# ----------------------------------------------------------------------------------------
+# attention
+# ----------------------------------------------------------------------------------------
+def ragged_attention(
+    q: Array,
+    kv_flat: Array,
+    layout: RaggedLayout,
+    layer_offset: Array | int = 0,
+    backend: str = "xla",
+    *,
+    heads_axis: str | None = None,
+    kv_pages_per_block: int | None = None,
+    queries_per_block: int | None = None,
+) -> Array:
+    """Causal attention of query rows ``q [N, H, D]`` over their sequences' paged cache
+    (module docstring). Returns ``[N, H, D]`` in ``q``'s dtype; padding rows give 0.
+    ``heads_axis``: the mesh axis the heads (and the cache's K/V heads) are split over;
+    the TPU kernel then runs per device on its own heads."""
+    if backend == "xla":
+        return reference_ragged_attention(q, kv_flat, layout, layer_offset)
+    if backend == "pallas_tpu":
+        blocks = (kv_pages_per_block, queries_per_block)
+        return _pallas_tpu(q, kv_flat, layout, layer_offset, _split_axis(heads_axis), *blocks)
+    raise ValueError(f"no attention backend {backend!r} (resolve 'auto' with resolve_backend)")
+
+
+def _row_metadata(layout: RaggedLayout, n: int):
+    """Per query row: its sequence (clamped), its absolute position and whether it is a
+    real row (not padding after the last sequence)."""
+    cu = layout.cu_q_lens  # sequences past num_seqs have q_len 0 here, so they are inert
+    num_seqs = layout.kv_lens.shape[0]
+    rows = jnp.arange(n, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu[1:], rows, side="right").astype(jnp.int32)
+    real = seq < num_seqs
+    seq = jnp.minimum(seq, num_seqs - 1)
+    q_len = cu[seq + 1] - cu[seq]
+    position = layout.kv_lens[seq] - q_len + (rows - cu[seq])
+    return seq, position, real
+
+
+def reference_ragged_attention(
+    q: Array, kv_flat: Array, layout: RaggedLayout, layer_offset: Array | int = 0
+) -> Array:
+    """The ``xla`` backend: blocks of pages up to the longest sequence, online softmax."""
+    n, h, d = q.shape
+    page_size, combined = kv_flat.shape[1], kv_flat.shape[2]
+    kv_heads = combined // 2
+    group = h // kv_heads
+    pages_per_seq = layout.page_table.shape[1]
+    ppb = max(1, min(pages_per_seq, XLA_BLOCK_TOKENS // page_size))
+    block = ppb * page_size
+    seq, position, real = _row_metadata(layout, n)
+    # Pad the table to whole blocks (null pages: beyond every length, so masked).
+    num_blocks_max = -(-pages_per_seq // ppb)
+    table = jnp.pad(layout.page_table, ((0, 0), (0, num_blocks_max * ppb - pages_per_seq)))
+    rows_table = table[seq]  # [N, blocks·ppb]
+    last = jnp.max(jnp.where(real, position, -1))
+    num_blocks = (last + block) // block  # blocks holding positions 0 .. last
+
+    qf = q.reshape(n, kv_heads, group, d).astype(jnp.float32) * (d**-0.5)
+    m0 = jnp.full((n, kv_heads, group), _MASKED, jnp.float32)
+    s0 = jnp.zeros((n, kv_heads, group), jnp.float32)
+    acc0 = jnp.zeros((n, kv_heads, group, d), jnp.float32)
+
+    def body(b, carry):
+        m, denom, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(rows_table, b * ppb, ppb, axis=1) + layer_offset
+        kv = kv_flat[pages].reshape(n, block, combined, d)  # [N, block, 2KV, D]
+        k = kv[:, :, 0::2].astype(jnp.float32)
+        v = kv[:, :, 1::2].astype(jnp.float32)
+        s = jnp.einsum("nkgd,nskd->nkgs", qf, k)
+        key_pos = b * block + jnp.arange(block, dtype=jnp.int32)
+        mask = (key_pos[None, :] <= position[:, None])[:, None, None, :]
+        s = jnp.where(mask, s, _MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        scale = jnp.exp(m - m_new)
+        denom = denom * scale + jnp.sum(p, axis=-1)
+        acc = acc * scale[..., None] + jnp.einsum("nkgs,nskd->nkgd", p, v)
+        return m_new, denom, acc
+
+    _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, (m0, s0, acc0))
+    out = acc / jnp.maximum(denom, 1e-30)[..., None]
+    out = jnp.where(real[:, None, None, None], out, 0.0)
+    return out.reshape(n, h, d).astype(q.dtype)
+
+
+def _split_axis(axis: str | None) -> str | None:
+    """``axis`` if the current mesh splits the heads over it (more than one device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if axis is None or mesh.empty or axis not in mesh.axis_names or mesh.shape[axis] == 1:
+        return None
+    return axis
+
+
+def default_tpu_blocks(pages_per_seq: int, num_rows: int) -> tuple[int, int]:
+    """The kernel's own untuned defaults (``tuned_block_sizes``: 128 pages, 32 queries),
+    capped by the shapes. Fixed here because the kernel's lookup asks ``jax.devices()``,
+    which on a CPU host compiling for a TPU topology is not a TPU."""
+    return min(pages_per_seq, 128), min(num_rows, 32)
+
+
+def _pallas_tpu(q, kv_flat, layout, layer_offset, axis, kv_pages_per_block, queries_per_block):
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    n, _, d = q.shape
+    default_pages, default_queries = default_tpu_blocks(layout.page_table.shape[1], n)
+    kernel = functools.partial(
+        ragged_paged_attention,
+        sm_scale=d**-0.5,
+        num_kv_pages_per_block=kv_pages_per_block or default_pages,
+        num_queries_per_block=queries_per_block or default_queries,
+    )
+    page_indices = (layout.page_table + layer_offset).astype(jnp.int32)
+    num_seqs = layout.num_seqs
+    if num_seqs is None:
+        num_seqs = jnp.full((1,), layout.kv_lens.shape[0], jnp.int32)
+    args = (q, kv_flat, layout.kv_lens, page_indices, layout.cu_q_lens, num_seqs)
+    if axis is not None:  # each device attends with its own heads (the kernel is per chip)
+        heads = PartitionSpec(None, axis, None)
+        kernel = jax.shard_map(
+            kernel,
+            in_specs=(heads, PartitionSpec(None, None, axis, None)) + (PartitionSpec(),) * 4,
+            out_specs=heads,
+            check_vma=False,
+        )
+    # The kernel's matmuls at the default (one-pass) precision: Mosaic rejects an fp32
+    # contract precision on bf16 operands, which a global "highest" setting would request.
+    with jax.default_matmul_precision("default"):
+        out = kernel(*args)
+    real = _row_metadata(layout, n)[2]  # the kernel leaves padding rows unwritten
+    return jnp.where(real[:, None, None], out, 0).astype(q.dtype)
+
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "NULL_PAGE",
+    "PagedKVCache",
+    "RaggedLayout",
+    "init_paged_cache",
+    "layout_for_rows",
+    "pages_per_sequence",
+    "ragged_attention",
+    "reference_ragged_attention",
+    "resolve_backend",
+    "write_kv",
+]
