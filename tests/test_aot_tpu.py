@@ -123,3 +123,36 @@ def test_tpu_kernel_lowers_inside_the_serving_round():
     hlo = compiled.as_text()
     assert 'custom_call_target="tpu_custom_call"' in hlo  # in the layer scan's body
     assert "ragged_paged_attention" in hlo
+
+
+@needs_libtpu
+def test_splash_attention_lowers_in_the_training_step():
+    """XLA:TPU compiles the target's loss and gradients with splash attention (auto on a
+    TPU topology; batch over fsdp, heads over tensor) and no [T, T] array."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dspark_jax import sharding as shd
+    from dspark_jax.models.presets import get_preset
+    from dspark_jax.models.qwen3 import Qwen3
+    from dspark_jax.ops.flash_attention import compile_platform
+
+    mesh = aot.aot_mesh("1,2,2", topology="v5e:2x2")
+    t = 384  # a multiple of 128, and no other dimension of the program (vocab 256)
+    cfg = get_preset("tiny").replace(num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+    model = Qwen3(cfg)
+    with jax.set_mesh(mesh), shd.rules_context(mesh), compile_platform("tpu"):
+        boxed = jax.eval_shape(
+            lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+        )
+        params, _ = aot._abstract(boxed, mesh)
+        tokens = jax.ShapeDtypeStruct((4, t), jnp.int32, sharding=NamedSharding(
+            mesh, PartitionSpec(("data", "fsdp"), None)))  # fmt: skip
+
+        def loss(p, x):
+            return jnp.mean(model.apply({"params": p}, x))
+
+        hlo = jax.jit(jax.grad(loss)).lower(params, tokens).compile().as_text()
+    assert "splash" in hlo
+    assert f"{t},{t}]" not in hlo

@@ -35,6 +35,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.ops.flash_attention import (
+    FLASH_BACKENDS,
+    causal_attention,
+    resolve_flash_backend,
+)
 from dspark_jax.ops.paged_attention import (
     PagedKVCache,
     RaggedLayout,
@@ -79,6 +84,10 @@ class Qwen3Config:
     param_dtype: str = "float32"
     # Gradient checkpointing of each decoder layer (training memory; see REMAT_POLICIES).
     remat: str = "none"
+    # Full-sequence attention (training, scoring, prefill; ops.flash_attention): auto
+    # (splash on TPU when the shapes allow, else the blocked XLA reference), splash, xla,
+    # or dense (an explicit [T, T] mask: the exact reference).
+    attention: str = "auto"
     # False: the layer scan is fully unrolled in the compiled program (same stacked
     # parameters). XLA's cost analysis counts a while-loop body once, so flop and byte
     # figures (benchmarks/roofline.py) need this; it costs compile time, nothing else.
@@ -114,6 +123,10 @@ class Qwen3Config:
                 problems.append(
                     f"{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}"
                 )
+        if self.attention not in FLASH_BACKENDS:
+            problems.append(
+                f"attention must be one of {list(FLASH_BACKENDS)}, got {self.attention!r}"
+            )
         if self.remat not in REMAT_POLICIES:
             problems.append(f"remat must be one of {list(REMAT_POLICIES)}, got {self.remat!r}")
         if problems:
@@ -376,23 +389,6 @@ class SelfAttention(nn.Module):
         return self.o_proj(attn)
 
 
-def grouped_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """Softmax attention with grouped KV heads.
-
-    q: ``[B, T, H, D]``; k, v: ``[B, S, KV, D]``; mask: ``[B, T, S]`` (True = may attend).
-    Returns ``[B, T, H, D]``. Scores and softmax in float32.
-    """
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (d**-0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, d)
-
-
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
@@ -443,11 +439,13 @@ class DecoderLayer(nn.Module):
 
         offset = layer_idx * self.pages_per_layer
         if self.mode in ("full", "prefill"):
-            seg = ctx["segment_ids"]
             t = h.shape[1]
-            causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-            mask = causal[None] & (seg[:, :, None] == seg[:, None, :])
-            attn = grouped_attention(q, k, v, mask)
+            rules = dict(LOGICAL_RULES)
+            attn = causal_attention(
+                q, k, v, ctx["segment_ids"],
+                resolve_flash_backend(cfg.attention, t, cfg.head_dim),
+                heads_axis=rules["activation_heads"], batch_axes=rules["activation_batch"],
+            )  # fmt: skip
             if self.mode == "prefill":
                 b, kv_heads, d = k.shape[0], k.shape[2], k.shape[3]
                 kv_flat = write_kv(

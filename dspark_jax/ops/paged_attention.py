@@ -131,8 +131,9 @@ def resolve_backend(name: str = "auto", platform: str | None = None, head_dim: i
         raise ValueError(f"attention backend 'pallas_tpu' cannot serve this model: {problem}")
     if name != "auto":
         return name
-    platform = platform or jax.default_backend()
-    return "pallas_tpu" if platform == "tpu" and problem is None else "xla"
+    from dspark_jax.ops.flash_attention import current_platform
+
+    return "pallas_tpu" if current_platform(platform) == "tpu" and problem is None else "xla"
 
 
 # ----------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dspark_jax import sharding as shd
+from dspark_jax.ops.flash_attention import compile_platform
 
 GB = 1e9  # device memory is quoted in decimal GB (95 GB v5p, 141 GB H200)
 
@@ -341,7 +342,9 @@ def compile_train_step(
     task = task or aot_task(cfg)
     check_mesh_and_batch(cfg, mesh)
     rep = NamedSharding(mesh, PartitionSpec())
-    with jax.set_mesh(mesh), shd.rules_context(mesh):
+    # "auto" attention backends resolve for the mesh's chips, not this host's.
+    platform = compile_platform(mesh.devices.flat[0].platform)
+    with jax.set_mesh(mesh), shd.rules_context(mesh), platform:
         spec = build_state_spec(task, cfg, mesh)
         frozen, frozen_sh = abstract_frozen(task, mesh)
         batch = abstract_batch(task, cfg.data.batch_size, mesh)
@@ -441,7 +444,8 @@ def compile_serve_round(
     target = Qwen3(tcfg)
     drafter = None if drafter_config is None else make_drafter(drafter_config, tcfg)
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))  # abstract: see the module docstring
-    with jax.set_mesh(mesh), shd.rules_context(mesh):
+    platform = compile_platform(mesh.devices.flat[0].platform)
+    with jax.set_mesh(mesh), shd.rules_context(mesh), platform:
         t_boxed = jax.eval_shape(
             lambda k: target.init(k, jnp.zeros((1, 8), jnp.int32))["params"], key
         )

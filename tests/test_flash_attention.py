@@ -1,0 +1,96 @@
+"""Full-sequence attention without a dense [T, T] mask: the blocked XLA backend and TPU
+splash attention (Pallas interpret mode on CPU) against the dense reference, values and
+gradients, packed segments; the target uses it in training, scoring and prefill."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.models.presets import PRESETS
+from dspark_jax.models.qwen3 import Qwen3, Qwen3Config
+from dspark_jax.ops import flash_attention as fa
+
+
+def _qkv(dtype, b=2, t=200, h=4, kv=2, d=16, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
+    k = jnp.asarray(rng.normal(size=(b, t, kv, d)), dtype)
+    v = jnp.asarray(rng.normal(size=(b, t, kv, d)), dtype)
+    # Three packed documents in row 0 (ragged), one in row 1.
+    seg = np.ones((b, t), np.int32)
+    seg[0, 70:150], seg[0, 150:] = 2, 3
+    return q, k, v, jnp.asarray(seg)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+def test_blocked_matches_dense_values_and_gradients(dtype, tol):
+    q, k, v, seg = _qkv(dtype)
+    dense = fa.dense_attention(q, k, v, seg)
+    blocked = jax.jit(lambda *a: fa.blocked_attention(*a, block=64))(q, k, v, seg)  # 200 % 64
+    np.testing.assert_allclose(
+        np.asarray(blocked, np.float32), np.asarray(dense, np.float32), atol=tol, rtol=tol
+    )
+    if dtype != jnp.float32:
+        return
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, seg)))
+
+    want = jax.grad(loss(fa.dense_attention), argnums=(0, 1, 2))(q, k, v)
+    got = jax.grad(loss(lambda *a: fa.blocked_attention(*a, block=64)), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_splash_in_interpret_mode_matches_dense():
+    q, k, v, seg = _qkv(jnp.float32, b=1, t=256, d=128, seed=1)
+    got = fa.causal_attention(q, k, v, seg, "splash", interpret=True)
+    np.testing.assert_allclose(got, fa.dense_attention(q, k, v, seg), atol=1e-5, rtol=1e-5)
+
+
+def test_training_step_has_no_dense_mask():
+    """The target's loss and gradients with the blocked backend: no [T, T] array in the
+    compiled program (the dense backend has them, as the check's control)."""
+    t = 1024
+    tokens = jnp.zeros((1, t), jnp.int32)
+    for backend, want in (("xla", False), ("dense", True)):
+        cfg = PRESETS["tiny"].replace(attention=backend)
+        model = Qwen3(cfg)
+        params = jax.eval_shape(lambda m=model: nn.unbox(m.init(jax.random.key(0), tokens[:, :8])))
+
+        def loss(p, m=model):
+            return jnp.mean(m.apply(p, tokens))
+
+        hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+        assert (f"{t},{t}]" in hlo) is want, backend
+
+
+def test_target_forward_is_the_same_with_every_backend():
+    cfg = PRESETS["tiny"]
+    tokens = jax.random.randint(jax.random.key(2), (2, 40), 0, cfg.vocab_size)
+    seg = jnp.asarray(np.repeat([[1] * 25 + [2] * 15], 2, axis=0))
+    params = nn.unbox(Qwen3(cfg).init(jax.random.key(0), tokens[:, :8]))
+    out = {
+        b: Qwen3(cfg.replace(attention=b)).apply(params, tokens, None, seg)
+        for b in ("dense", "xla")
+    }
+    np.testing.assert_allclose(out["xla"], out["dense"], atol=1e-5, rtol=1e-5)
+
+
+def test_backend_resolution_and_errors():
+    assert fa.resolve_flash_backend("auto", 4096, 128, "cpu") == "xla"
+    assert fa.resolve_flash_backend("auto", 4096, 128, "tpu") == "splash"
+    assert fa.resolve_flash_backend("auto", 1000, 128, "tpu") == "xla"  # T % 128
+    with fa.compile_platform("tpu"):  # ahead-of-time compilation for a TPU topology
+        assert fa.resolve_flash_backend("auto", 4096, 128) == "splash"
+    assert fa.current_platform() == jax.default_backend()
+    with pytest.raises(ValueError, match=r"head_dim % 128 == 0, got 64"):
+        fa.resolve_flash_backend("splash", 4096, 64, "tpu")
+    with pytest.raises(ValueError, match="Unknown attention backend 'flash'"):
+        fa.resolve_flash_backend("flash", 16, 16)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        Qwen3Config(attention="flash")
