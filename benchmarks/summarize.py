@@ -433,6 +433,55 @@ def roofline_section() -> list[str]:
     return out
 
 
+def paged_section() -> list[str]:
+    """The paged KV cache: roofline before (dense gather, kept in
+    results/dense_gather_baseline/) and after, CPU round time before/after, memory."""
+    out = []
+    rows = []
+    for old_path in sorted((RESULTS / "dense_gather_baseline").glob("roofline_*.json")):
+        new_path = RESULTS / old_path.name
+        if not new_path.is_file():
+            continue
+        old, new = json.loads(old_path.read_text()), json.loads(new_path.read_text())
+        before = {r["B"]: r for r in old["rows"]}
+        for r in new["rows"]:
+            b = before.get(r["B"])
+            if b is None:
+                continue
+            rows.append(
+                f"| {new['topology']} tensor {new['tensor']} | {new.get('drafter_kind', 'dspark')} "
+                f"| {r['B']} | {b['bytes'] / 1e9:.1f} | {r['bytes'] / 1e9:.1f} | "
+                f"{b['bytes_over_floor']:.1f} | {r['bytes_over_floor']:.1f} | "
+                f"{b['sps_over_sps_R']:.2f} | {r['sps_over_sps_R']:.2f} | "
+                f"{b['peak_memory_bytes'] / 1e9:.1f} | {r['peak_memory_bytes'] / 1e9:.1f} |"
+            )
+    if rows:
+        out += [
+            "## Paged KV cache and ragged verify attention: the roofline before and after",
+            "",
+            "Before: the dense per-slot cache, each packed verify row gathering its slot's "
+            "whole cache row (results in `benchmarks/results/dense_gather_baseline/`, from "
+            "the same `benchmarks/roofline.py` commands at commit d6354a4). After: the paged "
+            "cache and the TPU ragged-paged-attention kernel (its bytes modelled, see the "
+            "roofline tables). Per chip, Qwen3-8B, R = 64, max_len = 4096, every slot full.",
+            "",
+            "| topology | drafter | B | bytes before GB | after GB | / floor before | after "
+            "| SPS(B)/SPS(R) before | after | peak memory before GB | after GB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+            *rows,
+            "",
+        ]
+    for path, title in [
+        *((p, "## CPU round time before and after the paged cache")
+          for p in sorted(RESULTS.glob("round_time*.md"))),
+        (RESULTS / "kv_memory.md", "## Decode-state memory vs the KV page pool"),
+    ]:  # fmt: skip
+        if path.is_file():
+            command = json.loads(path.with_suffix(".json").read_text())["command"]
+            out += _included(path, title, command)
+    return out
+
+
 def _table_head(title: str, command: str, columns: list[str], intro=()) -> list[str]:
     """A section's heading, its command and the head of its table."""
     return [title, "", f"    {command}", "", *intro,
@@ -640,6 +689,7 @@ def main() -> None:
     lines += compile_section(_load(RESULTS / "compile_time.json"))
     lines += aot_section()
     lines += roofline_section()
+    lines += paged_section()
     lines += startup_section(_load(RESULTS / "startup.json"))
     lines += soak_section(_load(RESULTS / "soak.json"))
     lines += serving_section()
