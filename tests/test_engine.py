@@ -327,7 +327,7 @@ def test_fixed_length_verifies_gamma_per_occupied_slot(setup):
 
 
 def test_host_never_waits_on_the_round_in_flight(setup):
-    """With a deliberately slow device (each round's output held 0.15 s by a host callback
+    """With a deliberately slow device (each round's output held 0.3 s by a host callback
     inside the computation), round n+1 is dispatched before round n has finished: the
     host never waits on the round in flight to choose and launch the next one (top-K picks
     its budget in NumPy from two-rounds-old survivals). The timeline shows the wait."""
@@ -338,7 +338,9 @@ def test_host_never_waits_on_the_round_in_flight(setup):
     dispatched, finished = [], []
 
     def hold(tokens):
-        time.sleep(0.15)
+        # 0.3 s: at 0.15 s a CI run with both workers busy once saw round 1 dispatched 6 ms
+        # after round 0 finished (the host thread descheduled), not a round being waited on.
+        time.sleep(0.3)
         finished.append(time.perf_counter())
         return tokens
 
@@ -371,7 +373,7 @@ def test_host_never_waits_on_the_round_in_flight(setup):
     assert res.rounds >= 3 and len(dispatched) == len(finished) >= res.rounds
     for n in range(len(dispatched) - 1):
         assert dispatched[n + 1] < finished[n], f"round {n + 1} waited for round {n}"
-    assert engine.stats.device_wait_seconds - waited >= 0.1 * len(finished)
+    assert engine.stats.device_wait_seconds - waited >= 0.2 * len(finished)
     assert engine.compilations_after_warmup == 0
 
 
