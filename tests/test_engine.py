@@ -5,10 +5,14 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import collections
 import dataclasses
+import functools
+import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -327,53 +331,90 @@ def test_fixed_length_verifies_gamma_per_occupied_slot(setup):
 
 
 def test_host_never_waits_on_the_round_in_flight(setup):
-    """With a deliberately slow device (each round's output held 0.3 s by a host callback
-    inside the computation), round n+1 is dispatched before round n has finished: the
-    host never waits on the round in flight to choose and launch the next one (top-K picks
-    its budget in NumPy from two-rounds-old survivals). The timeline shows the wait."""
+    """Round n+1 is dispatched before the host reads round n, and dispatching it never waits
+    on round n: the host chooses and launches the next round while one is in flight (top-K
+    picks its budget in NumPy from two-rounds-old survivals).
+
+    Each round's output and its state are held on the device (a host callback gate) until
+    the test sees the next round dispatched, so an engine that read or synchronised on round
+    n first would sit until the gate's timeout. The order is enforced, not timed. The gates
+    always get pending inputs: on the CPU backend a computation with a host callback whose
+    inputs are ready runs inline on the calling thread, which would stall the harness, not
+    the engine. Round 0's state is made pending by a long computation ahead of its gate."""
     from jax.experimental import io_callback
 
     tok, _, _, engine = setup
     _wait_idle(engine)
-    dispatched, finished = [], []
+    dec = engine.decoder
+    release: dict[int, threading.Event] = collections.defaultdict(threading.Event)
+    released_by: dict[int, str] = {}
+    timed_out: list[int] = []
+    dispatched: list[int] = []
+    enforce = [False]  # off while the first request compiles the gates
 
-    def hold(tokens):
-        # 0.3 s: at 0.15 s a CI run with both workers busy once saw round 1 dispatched 6 ms
-        # after round 0 finished (the host thread descheduled), not a round being waited on.
-        time.sleep(0.3)
-        finished.append(time.perf_counter())
-        return tokens
+    def hold(n, *xs):
+        n = int(n)
+        if enforce[0]:
+            if not release[n].wait(timeout=20):
+                timed_out.append(n)
+            time.sleep(0.1)  # a slow device: the host's wait for it counts as device time
+        return xs
 
     @jax.jit
-    def slow(out):
-        spec = jax.ShapeDtypeStruct(out.tokens.shape, out.tokens.dtype)
-        return out._replace(tokens=io_callback(hold, spec, out.tokens))
+    def gate(n, xs):
+        return io_callback(hold, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs], n, *xs)
 
-    real = engine.decoder.round
+    @jax.jit
+    def behind_a_long_computation(seq_len):
+        # ~0.5 s on CPU and not foldable; the result is ``seq_len`` unchanged.
+        def body(_, m):
+            return jnp.tanh(m @ m)
 
-    def slow_round(state, budget):
-        state, out = real(state, budget)
-        out = slow(out)
-        dispatched.append(time.perf_counter())
+        m = jax.lax.fori_loop(0, 60, body, jnp.full((384, 384), 1e-3) + seq_len[0] * 1e-9)
+        return seq_len + (m[0, 0] > 1e9).astype(seq_len.dtype)
+
+    def slow_round(state, budget=None):
+        n = len(dispatched)
+        if n == 0:  # the base gate (index -1) holds round 0 until round 0 is gated
+            pending = behind_a_long_computation(state.seq_len)
+            (seq_len,) = gate(np.int32(-1), [pending])
+            state = state._replace(seq_len=seq_len)
+        state, out = dec._round(dec._params, state, dec._check_budget(budget))
+        seq_len, tokens = gate(np.int32(n), [state.seq_len, out.tokens])
+        state, out = state._replace(seq_len=seq_len), out._replace(tokens=tokens)
+        dispatched.append(n)
+        released_by.setdefault(n - 1, "next dispatch")
+        release[n - 1].set()
         return state, out
 
-    engine.decoder.round = slow_round
+    def release_all():
+        for n in [-1, *dispatched]:
+            released_by.setdefault(n, "end")
+            release[n].set()
+
+    dec.round = slow_round
     try:
-        # A first request compiles ``slow`` (its first call runs synchronously); measure the
-        # second.
-        engine.generate(PROMPTS[0], SamplingParams(max_tokens=2), timeout=120)
+        engine.generate(PROMPTS[0], SamplingParams(max_tokens=2), timeout=120)  # compiles
         assert engine.wait_idle(30)
+        enforce[0] = True
         dispatched.clear()
-        finished.clear()
+        release.clear()
+        released_by.clear()
         waited = engine.stats.device_wait_seconds
         res = engine.generate(PROMPTS[1], SamplingParams(max_tokens=10), timeout=120)
-        assert engine.wait_idle(30)  # incl. a round dispatched before the finish was seen
+        release_all()  # the round dispatched before the request's finish was read
+        assert engine.wait_idle(30)
     finally:
-        del engine.decoder.round  # back to the class attribute's bound method
-    assert res.rounds >= 3 and len(dispatched) == len(finished) >= res.rounds
-    for n in range(len(dispatched) - 1):
-        assert dispatched[n + 1] < finished[n], f"round {n + 1} waited for round {n}"
-    assert engine.stats.device_wait_seconds - waited >= 0.2 * len(finished)
+        release_all()
+        del dec.round  # back to the class attribute's bound method
+    assert timed_out == [], f"round(s) {timed_out} were waited on before the next dispatch"
+    assert res.rounds >= 3 and len(dispatched) >= res.rounds
+    # Every round but the last was released by the next one's dispatch; the last, dispatched
+    # before the request's finish was read, only by the test.
+    order = [released_by[n] for n in range(-1, len(dispatched))]
+    assert order == ["next dispatch"] * len(dispatched) + ["end"]
+    # The host's reads of the held rounds count as device time.
+    assert engine.stats.device_wait_seconds - waited >= 0.05 * len(dispatched)
     assert engine.compilations_after_warmup == 0
 
 
