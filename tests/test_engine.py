@@ -7,7 +7,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import collections
 import dataclasses
-import functools
 import threading
 import time
 
