@@ -216,6 +216,37 @@ def test_dspark_shapes_and_bad_input():
         _train_fn(d)(p, feats, valid, toks[:, :2], seq, anchor)
 
 
+def test_cached_context_is_layer_major_and_drafts_like_features():
+    """``context_cache`` K/V moved layer major (``[layers, 2, R, M, KV, D]``, the decode
+    state's layout) draft exactly what the tap features do; a cached context in another
+    layout is refused with the expected shape named."""
+    d, p = _drafter()
+    embed, lm = _target_io()
+    r, m = 2, 12
+    feats = jax.random.normal(jax.random.key(4), (r, m, feature_dim(d.config, TGT)))
+    ctx_len, anchors = jnp.array([3, 9]), jnp.array([1, 2])
+    positions = jnp.broadcast_to(jnp.arange(m), (r, m))
+    kv = d.apply({"params": p}, feats, positions, method="context_cache")
+    layers = d.config.resolved_num_layers
+    assert kv.shape == (r, m, layers, 2, TGT.num_key_value_heads, TGT.head_dim)
+    cached = jnp.moveaxis(kv, (2, 3), (0, 1))
+
+    def draft(ctx):
+        return d.apply(
+            {"params": p}, ctx, anchors, jax.random.key(5), SamplingSettings(1.0, 0, 1.0),
+            embed, lm, method="draft",
+        )  # fmt: skip
+
+    ref = draft(DraftContext(feats, ctx_len))
+    out = draft(DraftContext(cached, ctx_len, cached=True))
+    np.testing.assert_allclose(np.asarray(out.probs), np.asarray(ref.probs), atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    with pytest.raises(ValueError, match=r"cached context must be \[layers, 2, R, M, KV, D\]"):
+        draft(DraftContext(kv.reshape(r, m, -1), ctx_len, cached=True))
+    with pytest.raises(ValueError, match=r"context cache has shape .* expected \[layers, 2"):
+        draft(DraftContext(jnp.moveaxis(kv, (2, 3), (1, 0)), ctx_len, cached=True))
+
+
 def test_block_visibility():
     """A block sees only its own sequence's context strictly before its anchor + its block."""
     d, p = _drafter(head="rnn", rnn_rank=8)

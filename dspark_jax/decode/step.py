@@ -108,7 +108,9 @@ def request_key_data(*seed: int) -> np.ndarray:
 class DecodeState(NamedTuple):
     cache: PagedKVCache  # the target's page pool (ops.paged_attention)
     page_table: Array  # [R, pages_per_seq] int32: each slot's pages (set at prefill)
-    ctx_feats: Array  # [R, M, F] drafter context rows: tap features, or K/V (DSpark/DFlash)
+    # Drafter context: [R, M, F] tap features (EAGLE-3, MTP-1), or for DSpark/DFlash each
+    # draft layer's K/V, layer major [layers, 2, R, M, KV, D] (see SpeculativeDecoder.ctx_shape).
+    ctx_feats: Array
     ctx_tokens: Array  # [R, M] int32
     seq_len: Array  # [R] int32
     anchor: Array  # [R] int32
@@ -248,6 +250,9 @@ class SpeculativeDecoder:
             # context (the other kinds keep tap features / the final hidden state).
             self.kv_cache = dcfg.kv_context
             self.feat_dim = dcfg.context_width(tcfg)
+            if self.kv_cache:  # per position (layers, 2, KV, D); see ctx_shape
+                kv, d = tcfg.num_key_value_heads, tcfg.head_dim
+                self._kv_rows = (dcfg.resolved_num_layers, 2, kv, d)
             self.has_confidence = dcfg.has_confidence
         if config.scheduler in ("threshold", "prefix", "topk") and not self.has_confidence:
             raise ValueError(
@@ -319,7 +324,7 @@ class SpeculativeDecoder:
         return DecodeState(
             cache=init_cache(self.target.config, self.num_pages, c.page_size),
             page_table=jnp.asarray(self.static_page_rows(np.arange(r))),
-            ctx_feats=jnp.zeros((r, c.max_len, self.feat_dim), self.target.config.compute_dtype),
+            ctx_feats=jnp.zeros(self.ctx_shape, self.target.config.compute_dtype),
             ctx_tokens=jnp.zeros((r, c.max_len), jnp.int32),
             seq_len=jnp.zeros((r,), jnp.int32),
             anchor=jnp.zeros((r,), jnp.int32),
@@ -371,6 +376,27 @@ class SpeculativeDecoder:
             return hidden
         m = taps.shape[0]
         return jnp.moveaxis(taps, 0, -2).reshape(taps.shape[1:-1] + (m * taps.shape[-1],))
+
+    @property
+    def ctx_shape(self) -> tuple[int, ...]:
+        """Shape of ``DecodeState.ctx_feats``: ``[R, M, F]`` features, or for DSpark/DFlash
+        the draft layers' K/V layer major, ``[layers, 2, R, M, KV, D]``, so that a draft
+        layer reads its keys and values as two contiguous slices of the buffer."""
+        r, m = self.config.num_slots, self.config.max_len
+        if self.kv_cache:
+            layers, two, kv, d = self._kv_rows
+            return (layers, two, r, m, kv, d)
+        return (r, m, self.feat_dim)
+
+    def _write_context(self, ctx: Array, slots: Array, positions: Array, rows: Array) -> Array:
+        """Scatter context ``rows [..., F]`` (or ``[..., layers, 2, KV, D]``) into slot
+        ``slots`` at ``positions`` (both ``rows.shape[:-1]`` / ``[:-4]``); out-of-range
+        positions (``max_len``) are dropped."""
+        rows = rows.astype(ctx.dtype)
+        if not self.kv_cache:
+            return ctx.at[slots, positions].set(rows, mode="drop")
+        rows = jnp.moveaxis(rows, (-4, -3), (0, 1))  # [layers, 2, ..., KV, D]: few rows
+        return ctx.at[:, :, slots, positions].set(rows, mode="drop")
 
     def _context_rows(self, dp, taps, hidden, positions):
         """What the drafter context cache stores for target rows at ``positions``: tap
@@ -465,8 +491,7 @@ class SpeculativeDecoder:
             feats = jnp.zeros((b, t, 1), state.ctx_feats.dtype)
         else:
             feats = self._context_rows(params[1], taps, hidden, pos)
-            feats = feats.astype(state.ctx_feats.dtype)
-        ctx_feats = state.ctx_feats.at[rows, write].set(feats, mode="drop")
+        ctx_feats = self._write_context(state.ctx_feats, rows, write, feats)
         ctx_tokens = state.ctx_tokens.at[rows, write].set(prompts, mode="drop")
 
         finish = jnp.where(
@@ -775,9 +800,7 @@ class SpeculativeDecoder:
             feats = self._context_rows(params[1], taps, hidden, p_pos[:, None])[:, 0]
         ctx_feats = state.ctx_feats
         if feats is not None:
-            ctx_feats = ctx_feats.at[slot_rj, write].set(
-                feats[gather_rows].astype(ctx_feats.dtype), mode="drop"
-            )
+            ctx_feats = self._write_context(ctx_feats, slot_rj, write, feats[gather_rows])
         ctx_tokens = state.ctx_tokens.at[slot_rj, write].set(tokens_rj, mode="drop")
 
         emitted = jnp.where(active, accepted + 1, 0)

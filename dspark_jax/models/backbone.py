@@ -227,17 +227,15 @@ class ParallelBackbone(nn.Module):
         # the batch axis off the mesh (global-batch activations on every device).
         return nn.with_logical_constraint(self.hidden_norm(self.fc(feats)), ACT_AXES)
 
-    def cache_dim(self) -> int:
-        """Per-position width of the context K/V cache: ``layers · 2 · kv_heads · head_dim``."""
+    def cache_shape(self) -> tuple[int, int, int, int]:
+        """Per-position shape of the context K/V cache: ``(layers, 2, kv_heads, head_dim)``
+        (``2``: keys, values)."""
         c = self.config
-        return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim
+        return (c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
 
     def context_cache(self, feats: Array, positions: Array) -> Array:
         """Every layer's context keys (k-normed, RoPE at ``positions``) and values of tap
-        features ``feats [..., T, m·d]``, flattened per position: ``[..., T, cache_dim]``
-        laid out as ``[kv_head, layer, k|v, head_dim]`` (KV heads outermost, so splitting
-        the flat axis into equal parts over the ``tensor`` mesh axis splits whole heads,
-        like the target's KV cache).
+        features ``feats [..., T, m·d]``: ``[..., T, layers, 2, kv_heads, head_dim]``.
 
         A position's K/V depend on its own features and position only, so the decode step
         computes them once, when the position is committed, and every later draft reuses
@@ -246,26 +244,29 @@ class ParallelBackbone(nn.Module):
         parts = []
         for layer in self.layers:
             k, v = layer.context_kv(h_ctx, positions)
-            parts.append(jnp.stack([k, v], axis=-2))  # [..., T, KV, 2, D]
-        kv = jnp.stack(parts, axis=-3)  # [..., T, KV, L, 2, D]
-        return kv.reshape(kv.shape[:-4] + (self.cache_dim(),))
+            parts.append(jnp.stack([k, v], axis=-3))  # [..., T, 2, KV, D]
+        return jnp.stack(parts, axis=-4)  # [..., T, L, 2, KV, D]
 
     def from_cache(
         self, block_embeds: Array, block_positions: Array, ctx_cache: Array, ctx_mask: Array
     ) -> Array:
-        """Final-normed block states ``[N, γ, d]`` over a per-row context K/V cache
-        ``[N, M, cache_dim]`` (``context_cache``) masked by ``ctx_mask [N, M]``."""
-        c = self.config
-        n, m = ctx_cache.shape[:2]
-        if ctx_cache.shape[-1] != self.cache_dim():
+        """Final-normed block states ``[N, γ, d]`` over a context K/V cache stored layer
+        major, ``[layers, 2, N, M, kv_heads, head_dim]``, masked by ``ctx_mask [N, M]``.
+
+        Layer major so that one layer's keys (or values) are one contiguous slice of the
+        buffer: with the layers and K/V in the minor dimensions, as a flat per-position
+        row, taking a layer out costs a relayout copy of the whole buffer on TPU."""
+        want = self.cache_shape()
+        got = (*ctx_cache.shape[:2], *ctx_cache.shape[4:])
+        if ctx_cache.ndim != 6 or got != want:
             raise ValueError(
-                f"context cache has last dim {ctx_cache.shape[-1]}, expected {self.cache_dim()}"
+                f"context cache has shape {ctx_cache.shape}, expected [layers, 2, N, M, "
+                f"kv_heads, head_dim] with (layers, 2, kv_heads, head_dim) = {want}"
             )
-        kv = ctx_cache.reshape(n, m, c.num_key_value_heads, c.num_hidden_layers, 2, c.head_dim)
         h = block_embeds
         mask = ctx_mask[:, None, :]
         for i, layer in enumerate(self.layers):
-            k, v = kv[:, :, :, i, 0], kv[:, :, :, i, 1]  # [N, M, KV, D]
+            k, v = ctx_cache[i, 0], ctx_cache[i, 1]  # [N, M, KV, D]
             h = layer.block_step_cached(h, k, v, block_positions, mask)
             h = nn.with_logical_constraint(h, ACT_AXES)
         return self.norm(h)

@@ -40,16 +40,23 @@ __all__ = [
 class DraftContext:
     """The committed context of R slots.
 
-    rows: ``[R, M, F]``; rows ``>= length`` are ignored.
+    rows: ``[R, M, F]`` features; rows ``>= length`` are ignored. With ``cached``: the
+      draft layers' context K/V from ``context_cache``, layer major,
+      ``[layers, 2, R, M, kv_heads, head_dim]``.
     length: ``[R]`` valid rows = the anchor's position (``>= 1`` for EAGLE-3/MTP-1).
     tokens: ``[R, M]`` committed tokens (EAGLE-3, MTP-1), else ``None``.
-    cached: ``rows`` are K/V rows from ``context_cache`` rather than target features.
+    cached: ``rows`` are K/V from ``context_cache`` rather than target features.
     """
 
     rows: Array
     length: Array
     tokens: Array | None = None
     cached: bool = flax.struct.field(pytree_node=False, default=False)
+
+    @property
+    def slots_and_rows(self) -> tuple[int, int]:
+        """``(R, M)``: slots and context rows per slot, whichever the layout."""
+        return tuple(self.rows.shape[2:4] if self.cached else self.rows.shape[:2])
 
 
 class DraftOutput(NamedTuple):
@@ -91,9 +98,15 @@ def check_draft_inputs(
             raise ValueError(f"{drafter} draft: {msg}")
 
     need(isinstance(context, DraftContext), f"context must be a DraftContext, got {type(context)}")
-    need(context.rows.ndim == 3, f"context rows must be [R, M, F], got {context.rows.shape}")
-    r, m = context.rows.shape[:2]
     need(accepts_cached or not context.cached, "has no context K/V cache (cached=True)")
+    if context.cached:
+        need(
+            context.rows.ndim == 6,
+            f"cached context must be [layers, 2, R, M, KV, D], got {context.rows.shape}",
+        )
+    else:
+        need(context.rows.ndim == 3, f"context rows must be [R, M, F], got {context.rows.shape}")
+    r, m = context.slots_and_rows
     need(context.length.shape == (r,), f"context length must be [{r}], got {context.length.shape}")
     need(anchor_tokens.shape == (r,), f"anchor_tokens must be [{r}], got {anchor_tokens.shape}")
     need(embed is not None and lm_head is not None, "needs embed and lm_head")

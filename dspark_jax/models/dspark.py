@@ -198,12 +198,12 @@ class DSparkDrafter(DrafterModule):
         """Draft γ tokens per slot (the drafting half of the decode step, DESIGN §5.2).
 
         ``context.rows``: tap features ``[R, M, m·d]`` of committed positions
-        ``0..length-1``, or (``cached=True``) the K/V rows ``context_cache`` wrote for them,
-        ``[R, M, cache_dim]``; both give the same drafts, the cached rows without
+        ``0..length-1``, or (``cached=True``) the K/V ``context_cache`` computed for them,
+        layer major ``[layers, 2, R, M, KV, D]``; both give the same drafts, the cached rows without
         re-projecting the whole context every round. ``sampling``: scalars or ``[R]``
         (temperature 0 = greedy argmax). ``embed``, ``lm_head``: the frozen target's.
         """
-        r, m = context.rows.shape[:2]
+        r, m = context.slots_and_rows
         ctx_len = context.length
         ctx_mask = jnp.arange(m, dtype=jnp.int32)[None, :] < ctx_len[:, None]
         block_pos = ctx_len[:, None].astype(jnp.int32) + jnp.arange(
@@ -221,7 +221,7 @@ class DSparkDrafter(DrafterModule):
     # -- the per-slot context K/V cache (the decode step's path) --------------------------
     def context_cache(self, context_feats: Array, positions: Array) -> Array:
         """Context K/V of every draft layer for tap features ``[..., T, m·d]`` at absolute
-        ``positions [..., T]``: ``[..., T, cache_dim]`` (see ``ParallelBackbone``)."""
+        ``positions [..., T]``: ``[..., T, layers, 2, KV, D]`` (see ``ParallelBackbone``)."""
         return self.backbone.context_cache(context_feats, positions)
 
     def _sample_block(self, h, anchor_tokens, rng, sampling, lm_head):

@@ -477,10 +477,11 @@ def compile_serve_round(
             name = getattr(path[0], "name", None)
             if name == "cache":
                 s = _state_sharding(cache_names, leaf.shape, mesh)
-            elif name == "ctx_feats" and dec.kv_cache and heads_split:
-                # Drafter K/V rows, KV heads outermost in the last axis (backbone
-                # context_cache): split over whole heads like the target's KV cache.
-                names = ("cache_slots", None, "cache_kv_heads")
+            elif name == "ctx_feats" and dec.kv_cache:
+                # Drafter K/V, [layers, 2, R, M, KV, D]: slots and (when they divide)
+                # KV heads split like the target's KV cache.
+                heads = "cache_kv_heads" if heads_split else None
+                names = (None, None, "cache_slots", None, heads, None)
                 s = _state_sharding(names, leaf.shape, mesh)
             elif leaf.ndim >= 1 and name != "rng":
                 names = ("cache_slots",) + (None,) * (leaf.ndim - 1)
