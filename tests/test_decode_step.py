@@ -481,7 +481,7 @@ def test_inactive_slots_untouched_and_packed_rows(target):
         names = ("seq_len", "anchor", "remaining", "active", "ctx_tokens", "ctx_feats")
         for name in names + ("slot_keys",):  # idle slots' random streams do not advance
             b, a = getattr(before, name), getattr(after, name)
-            if name == "ctx_feats" and dec.kv_cache:  # [layers, 2, R, M, KV, D]
+            if name == "ctx_feats" and dec.kv_cache:  # [layers, 2, R, KV, M, D]
                 b, a = b[:, :, s], a[:, :, s]
             else:
                 b, a = b[s], a[s]

@@ -217,9 +217,9 @@ def test_dspark_shapes_and_bad_input():
 
 
 def test_cached_context_is_layer_major_and_drafts_like_features():
-    """``context_cache`` K/V moved layer major (``[layers, 2, R, M, KV, D]``, the decode
-    state's layout) draft exactly what the tap features do; a cached context in another
-    layout is refused with the expected shape named."""
+    """``context_cache`` K/V in the decode state's layout (``[layers, 2, R, KV, M, D]``)
+    draft exactly what the tap features do; a cached context in another layout is refused
+    with the expected shape named."""
     d, p = _drafter()
     embed, lm = _target_io()
     r, m = 2, 12
@@ -229,7 +229,7 @@ def test_cached_context_is_layer_major_and_drafts_like_features():
     kv = d.apply({"params": p}, feats, positions, method="context_cache")
     layers = d.config.resolved_num_layers
     assert kv.shape == (r, m, layers, 2, TGT.num_key_value_heads, TGT.head_dim)
-    cached = jnp.moveaxis(kv, (2, 3), (0, 1))
+    cached = jnp.transpose(kv, (2, 3, 0, 4, 1, 5))
 
     def draft(ctx):
         return d.apply(
@@ -241,10 +241,11 @@ def test_cached_context_is_layer_major_and_drafts_like_features():
     out = draft(DraftContext(cached, ctx_len, cached=True))
     np.testing.assert_allclose(np.asarray(out.probs), np.asarray(ref.probs), atol=2e-5)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
-    with pytest.raises(ValueError, match=r"cached context must be \[layers, 2, R, M, KV, D\]"):
+    with pytest.raises(ValueError, match=r"cached context must be \[layers, 2, R, KV, M, D\]"):
         draft(DraftContext(kv.reshape(r, m, -1), ctx_len, cached=True))
+    # Positions before heads (this buffer's previous layout) is refused, not misread.
     with pytest.raises(ValueError, match=r"context cache has shape .* expected \[layers, 2"):
-        draft(DraftContext(jnp.moveaxis(kv, (2, 3), (1, 0)), ctx_len, cached=True))
+        draft(DraftContext(jnp.moveaxis(kv, (2, 3), (0, 1)), ctx_len, cached=True))
 
 
 def test_block_visibility():

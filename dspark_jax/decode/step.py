@@ -109,7 +109,7 @@ class DecodeState(NamedTuple):
     cache: PagedKVCache  # the target's page pool (ops.paged_attention)
     page_table: Array  # [R, pages_per_seq] int32: each slot's pages (set at prefill)
     # Drafter context: [R, M, F] tap features (EAGLE-3, MTP-1), or for DSpark/DFlash each
-    # draft layer's K/V, layer major [layers, 2, R, M, KV, D] (see SpeculativeDecoder.ctx_shape).
+    # draft layer's K/V, [layers, 2, R, KV, M, D] (see SpeculativeDecoder.ctx_shape).
     ctx_feats: Array
     ctx_tokens: Array  # [R, M] int32
     seq_len: Array  # [R] int32
@@ -380,12 +380,13 @@ class SpeculativeDecoder:
     @property
     def ctx_shape(self) -> tuple[int, ...]:
         """Shape of ``DecodeState.ctx_feats``: ``[R, M, F]`` features, or for DSpark/DFlash
-        the draft layers' K/V layer major, ``[layers, 2, R, M, KV, D]``, so that a draft
-        layer reads its keys and values as two contiguous slices of the buffer."""
+        the draft layers' K/V, ``[layers, 2, R, KV, M, D]``: a draft layer reads its keys
+        and values as two contiguous slices, each head's ``[M, D]`` in the layout its
+        attention matmuls want (``ParallelBackbone.from_cache``)."""
         r, m = self.config.num_slots, self.config.max_len
         if self.kv_cache:
             layers, two, kv, d = self._kv_rows
-            return (layers, two, r, m, kv, d)
+            return (layers, two, r, kv, m, d)
         return (r, m, self.feat_dim)
 
     def _write_context(self, ctx: Array, slots: Array, positions: Array, rows: Array) -> Array:
@@ -395,8 +396,9 @@ class SpeculativeDecoder:
         rows = rows.astype(ctx.dtype)
         if not self.kv_cache:
             return ctx.at[slots, positions].set(rows, mode="drop")
-        rows = jnp.moveaxis(rows, (-4, -3), (0, 1))  # [layers, 2, ..., KV, D]: few rows
-        return ctx.at[:, :, slots, positions].set(rows, mode="drop")
+        # Non-adjacent index arrays: the indexed shape is slots.shape + (layers, 2, KV, D),
+        # which is how context_cache lays out its rows.
+        return ctx.at[:, :, slots, :, positions].set(rows, mode="drop")
 
     def _context_rows(self, dp, taps, hidden, positions):
         """What the drafter context cache stores for target rows at ``positions``: tap

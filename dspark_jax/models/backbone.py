@@ -250,23 +250,25 @@ class ParallelBackbone(nn.Module):
     def from_cache(
         self, block_embeds: Array, block_positions: Array, ctx_cache: Array, ctx_mask: Array
     ) -> Array:
-        """Final-normed block states ``[N, γ, d]`` over a context K/V cache stored layer
-        major, ``[layers, 2, N, M, kv_heads, head_dim]``, masked by ``ctx_mask [N, M]``.
+        """Final-normed block states ``[N, γ, d]`` over a context K/V cache stored
+        ``[layers, 2, N, kv_heads, M, head_dim]``, masked by ``ctx_mask [N, M]``.
 
-        Layer major so that one layer's keys (or values) are one contiguous slice of the
-        buffer: with the layers and K/V in the minor dimensions, as a flat per-position
-        row, taking a layer out costs a relayout copy of the whole buffer on TPU."""
+        Layer major, so one layer's keys (or values) are one contiguous slice; positions
+        next to ``head_dim``, so each head's ``[M, head_dim]`` is the tiled minor pair the
+        attention matmuls read. (As a flat per-position row, or with ``kv_heads`` next to
+        ``head_dim``, XLA:TPU copied the whole buffer into that layout every round.)"""
         want = self.cache_shape()
-        got = (*ctx_cache.shape[:2], *ctx_cache.shape[4:])
-        if ctx_cache.ndim != 6 or got != want:
+        shape = ctx_cache.shape
+        if ctx_cache.ndim != 6 or (shape[0], shape[1], shape[3], shape[5]) != want:
             raise ValueError(
-                f"context cache has shape {ctx_cache.shape}, expected [layers, 2, N, M, "
-                f"kv_heads, head_dim] with (layers, 2, kv_heads, head_dim) = {want}"
+                f"context cache has shape {shape}, expected [layers, 2, N, kv_heads, M, "
+                f"head_dim] with (layers, 2, kv_heads, head_dim) = {want}"
             )
         h = block_embeds
         mask = ctx_mask[:, None, :]
         for i, layer in enumerate(self.layers):
-            k, v = ctx_cache[i, 0], ctx_cache[i, 1]  # [N, M, KV, D]
+            # [N, KV, M, D] -> [N, M, KV, D]: a logical transpose the matmul absorbs.
+            k, v = (jnp.swapaxes(ctx_cache[i, j], 1, 2) for j in (0, 1))
             h = layer.block_step_cached(h, k, v, block_positions, mask)
             h = nn.with_logical_constraint(h, ACT_AXES)
         return self.norm(h)

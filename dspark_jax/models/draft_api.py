@@ -41,8 +41,8 @@ class DraftContext:
     """The committed context of R slots.
 
     rows: ``[R, M, F]`` features; rows ``>= length`` are ignored. With ``cached``: the
-      draft layers' context K/V from ``context_cache``, layer major,
-      ``[layers, 2, R, M, kv_heads, head_dim]``.
+      draft layers' context K/V from ``context_cache``, stored
+      ``[layers, 2, R, kv_heads, M, head_dim]``.
     length: ``[R]`` valid rows = the anchor's position (``>= 1`` for EAGLE-3/MTP-1).
     tokens: ``[R, M]`` committed tokens (EAGLE-3, MTP-1), else ``None``.
     cached: ``rows`` are K/V from ``context_cache`` rather than target features.
@@ -56,7 +56,9 @@ class DraftContext:
     @property
     def slots_and_rows(self) -> tuple[int, int]:
         """``(R, M)``: slots and context rows per slot, whichever the layout."""
-        return tuple(self.rows.shape[2:4] if self.cached else self.rows.shape[:2])
+        if self.cached:
+            return self.rows.shape[2], self.rows.shape[4]
+        return self.rows.shape[0], self.rows.shape[1]
 
 
 class DraftOutput(NamedTuple):
@@ -102,7 +104,7 @@ def check_draft_inputs(
     if context.cached:
         need(
             context.rows.ndim == 6,
-            f"cached context must be [layers, 2, R, M, KV, D], got {context.rows.shape}",
+            f"cached context must be [layers, 2, R, KV, M, D], got {context.rows.shape}",
         )
     else:
         need(context.rows.ndim == 3, f"context rows must be [R, M, F], got {context.rows.shape}")

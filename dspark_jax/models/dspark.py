@@ -199,7 +199,7 @@ class DSparkDrafter(DrafterModule):
 
         ``context.rows``: tap features ``[R, M, m·d]`` of committed positions
         ``0..length-1``, or (``cached=True``) the K/V ``context_cache`` computed for them,
-        layer major ``[layers, 2, R, M, KV, D]``; both give the same drafts, the cached rows without
+        ``[layers, 2, R, KV, M, D]``; both give the same drafts, the cached rows without
         re-projecting the whole context every round. ``sampling``: scalars or ``[R]``
         (temperature 0 = greedy argmax). ``embed``, ``lm_head``: the frozen target's.
         """

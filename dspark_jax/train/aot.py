@@ -478,10 +478,10 @@ def compile_serve_round(
             if name == "cache":
                 s = _state_sharding(cache_names, leaf.shape, mesh)
             elif name == "ctx_feats" and dec.kv_cache:
-                # Drafter K/V, [layers, 2, R, M, KV, D]: slots and (when they divide)
+                # Drafter K/V, [layers, 2, R, KV, M, D]: slots and (when they divide)
                 # KV heads split like the target's KV cache.
                 heads = "cache_kv_heads" if heads_split else None
-                names = (None, None, "cache_slots", None, heads, None)
+                names = (None, None, "cache_slots", heads, None, None)
                 s = _state_sharding(names, leaf.shape, mesh)
             elif leaf.ndim >= 1 and name != "rng":
                 names = ("cache_slots",) + (None,) * (leaf.ndim - 1)
