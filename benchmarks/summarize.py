@@ -464,9 +464,8 @@ def paged_section() -> list[str]:
             "the same `benchmarks/roofline.py` commands at commit d6354a4). After: today's "
             "round, with the paged cache, the TPU ragged-paged-attention kernel (its bytes "
             "modelled, see the roofline tables) and the drafter context stored per layer "
-            "and head (`[layers, 2, R, KV, M, D]`: at tensor 4 no whole-buffer copy of it "
-            "is left; at tensor 8, one KV head per chip, XLA:TPU still copies it three "
-            "times a round). Per chip, Qwen3-8B, R = 64, max_len = 4096, every slot full.",
+            "and head (`[layers, 2, R, KV, M, D]`; at tensor 8, one KV head per chip, "
+            "this did not lower the bytes). Per chip, Qwen3-8B, R = 64, max_len = 4096, every slot full.",
             "",
             "| topology | drafter | B | bytes before GB | after GB | / floor before | after "
             "| SPS(B)/SPS(R) before | after | peak memory before GB | after GB |",

@@ -250,9 +250,6 @@ class SpeculativeDecoder:
             # context (the other kinds keep tap features / the final hidden state).
             self.kv_cache = dcfg.kv_context
             self.feat_dim = dcfg.context_width(tcfg)
-            if self.kv_cache:  # per position (layers, 2, KV, D); see ctx_shape
-                kv, d = tcfg.num_key_value_heads, tcfg.head_dim
-                self._kv_rows = (dcfg.resolved_num_layers, 2, kv, d)
             self.has_confidence = dcfg.has_confidence
         if config.scheduler in ("threshold", "prefix", "topk") and not self.has_confidence:
             raise ValueError(
@@ -385,7 +382,7 @@ class SpeculativeDecoder:
         attention matmuls want (``ParallelBackbone.from_cache``)."""
         r, m = self.config.num_slots, self.config.max_len
         if self.kv_cache:
-            layers, two, kv, d = self._kv_rows
+            layers, two, kv, d = self.drafter.config.context_kv_shape(self.target.config)
             return (layers, two, r, kv, m, d)
         return (r, m, self.feat_dim)
 

@@ -202,13 +202,19 @@ class DrafterConfig:
         """Drafts one token per round (MTP-1): outputs carry no block axis."""
         return self.spec.single_token
 
+    def context_kv_shape(self, target_config) -> tuple[int, int, int, int]:
+        """Per-position shape of a DSpark/DFlash context K/V cache:
+        ``(draft layers, 2, kv_heads, head_dim)`` (``2``: keys, values)."""
+        t = target_config
+        return (self.resolved_num_layers, 2, t.num_key_value_heads, t.head_dim)
+
     def context_width(self, target_config) -> int:
-        """Per-position width of the decode state's drafter context: the K/V rows of every
-        draft layer (``layers · 2 · kv_heads · head_dim``), the tap features
-        (``taps · hidden``) or the final hidden state (``hidden``)."""
+        """Per-position width of the decode state's drafter context: the K/V of every
+        draft layer (``context_kv_shape`` flattened), the tap features (``taps · hidden``)
+        or the final hidden state (``hidden``)."""
         t = target_config
         if self.kv_context:
-            return self.resolved_num_layers * 2 * t.num_key_value_heads * t.head_dim
+            return math.prod(self.context_kv_shape(t))
         if self.uses_taps:
             return t.hidden_size * len(self.taps or ())
         return t.hidden_size
