@@ -5,8 +5,8 @@ slots × max_len.
 
 For pools sized to hold 1/8, 1/4, 1/2 and all of ``slots × max_len`` tokens it builds the
 decoder's state and compiles its fused round (CPU, jit ``.lower().compile()``), and
-reports the bytes of the target's KV pool, of the rest of the state (the drafter's
-context cache, still one row of ``max_len`` per slot), and XLA's memory plan of the round
+reports the bytes of the target's KV pool, of the drafter's context K/V (pages of the same
+table), of the rest of the state (per-slot rows: tokens, lengths), and XLA's memory plan of the round
 (arguments, temporaries). Random weights: sizes do not depend on them. Writes
 ``benchmarks/results/kv_memory.json`` and ``.md``.
 """
@@ -48,7 +48,8 @@ def run(args) -> dict:
     d_abstract = jax.eval_shape(lambda k: init_drafter_params(drafter, k), jax.random.key(1))
     unbox = jax.tree.map(lambda x: getattr(x, "value", x), (abstract, d_abstract),
                          is_leaf=lambda x: hasattr(x, "value"))  # fmt: skip
-    full = full_pool_pages(args.slots, args.max_len, args.page_size)
+    # Every slot at max_len, plus the γ positions a draft block writes past it.
+    full = full_pool_pages(args.slots, args.max_len + args.gamma, args.page_size)
     rows = []
     for fraction in (0.125, 0.25, 0.5, 1.0):
         pages = max(2, round((full - 1) * fraction) + 1)
@@ -61,16 +62,19 @@ def run(args) -> dict:
         compiled = dec._round.lower(dec._params, state, dec.full_budget).compile()
         mem = compiled.memory_analysis()
         kv = _bytes(state.cache)
+        ctx = _bytes(state.ctx_feats)
         rows.append({
             "pool_fraction": fraction,
             "kv_pages": pages,
             "pool_tokens": (pages - 1) * args.page_size,
             "kv_pool_bytes": kv,
-            "other_state_bytes": _bytes(state) - kv,
+            "drafter_context_bytes": ctx,
+            "other_state_bytes": _bytes(state) - kv - ctx,
             "argument_bytes": int(mem.argument_size_in_bytes),
             "temp_bytes": int(mem.temp_size_in_bytes),
         })  # fmt: skip
-        print(f"[kv_memory] pool {fraction:.3f}: KV {kv / 2**20:.1f} MiB, temp "
+        print(f"[kv_memory] pool {fraction:.3f}: KV {kv / 2**20:.1f} MiB, drafter context "
+              f"{ctx / 2**20:.1f} MiB, temp "
               f"{mem.temp_size_in_bytes / 2**20:.1f} MiB", flush=True)  # fmt: skip
     return {
         "command": "python benchmarks/kv_memory.py " + " ".join(sys.argv[1:]),
@@ -91,16 +95,18 @@ def markdown(res: dict) -> str:
         f"{res['gamma']}, {res['slots']} slots × {res['max_len']} positions, pages of "
         f"{res['page_size']}, {res['backend']})",
         "",
-        f"Produced by `{res['command']}`. The page pool is the only part sized by the "
-        "tokens in use; the drafter's context cache is still a row of max_len per slot.",
+        f"Produced by `{res['command']}`. The target's KV and the drafter's context K/V "
+        "share one page table, so both follow the pool (the tokens in use); the rest of the "
+        "state is per-slot rows (tokens, lengths, keys).",
         "",
-        "| pool (share of slots × max_len) | pool tokens | KV pool MiB | rest of state MiB | "
-        "round arguments MiB | round temporaries MiB |",
-        "|---|---|---|---|---|---|",
+        "| pool (share of slots × (max_len + γ)) | pool tokens | KV pool MiB | drafter context "
+        "MiB | rest of state MiB | round arguments MiB | round temporaries MiB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         lines.append(
             f"| {r['pool_fraction']:.3f} | {r['pool_tokens']} | {r['kv_pool_bytes'] / mib:.1f} | "
+            f"{r.get('drafter_context_bytes', 0) / mib:.1f} | "
             f"{r['other_state_bytes'] / mib:.1f} | {r['argument_bytes'] / mib:.1f} | "
             f"{r['temp_bytes'] / mib:.1f} |"
         )

@@ -62,8 +62,10 @@ def measure(args) -> dict[str, float]:
 
         def step():
             st = holder[0]._replace(**{n: jnp.asarray(v) for n, v in reset.items()})
-            plan = dec.plan(st)
-            st, out = dec.commit(st, plan._replace(lengths=fill), k)
+            planned = dec.plan(st)
+            if not hasattr(planned, "lengths"):  # (state, plan), since the paged drafter context
+                st, planned = planned
+            st, out = dec.commit(st, planned._replace(lengths=fill), k)
             holder[0] = st
             return out.tokens
 

@@ -109,7 +109,8 @@ def test_mesh_whose_axes_split_a_torus_axis():
 @needs_libtpu
 def test_tpu_kernel_lowers_inside_the_serving_round():
     """XLA:TPU compiles the decode round with the Pallas ragged-paged-attention kernel
-    (in the layer scan, split over the tensor axis) for a model with head_dim 128."""
+    (in the layer scan, split over the tensor axis) for a model with head_dim 128, and the
+    draft layer's block over the paged drafter context on the same kernel."""
     from dspark_jax.models.drafter_config import DrafterConfig
     from dspark_jax.models.presets import get_preset
 
@@ -123,6 +124,10 @@ def test_tpu_kernel_lowers_inside_the_serving_round():
     hlo = compiled.as_text()
     assert 'custom_call_target="tpu_custom_call"' in hlo  # in the layer scan's body
     assert "ragged_paged_attention" in hlo
+    from dspark_jax.perf.roofline import ragged_attention_calls
+
+    # One call in the target's layer-scan body (verify), one for the draft layer.
+    assert ragged_attention_calls(hlo) == 2
 
 
 @needs_libtpu

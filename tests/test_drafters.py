@@ -216,20 +216,28 @@ def test_dspark_shapes_and_bad_input():
         _train_fn(d)(p, feats, valid, toks[:, :2], seq, anchor)
 
 
-def test_cached_context_is_layer_major_and_drafts_like_features():
-    """``context_cache`` K/V in the decode state's layout (``[layers, 2, R, KV, M, D]``)
-    draft exactly what the tap features do; a cached context in another layout is refused
-    with the expected shape named."""
-    d, p = _drafter()
+def test_paged_context_drafts_like_features_and_writes_only_its_block():
+    """``context_cache`` K/V scattered into pages (out of order, a pool full of garbage)
+    draft what the tap features do; the draft writes each writable slot's block K/V right
+    after its context and touches nothing else (a slot that may not write leaves its pages
+    as they were); a cached context in another layout is refused with the layout named."""
+    d, p = _drafter(num_layers=2)
     embed, lm = _target_io()
-    r, m = 2, 12
+    r, m, ps = 3, 12, 4
+    layers, kvh, hd = 2, TGT.num_key_value_heads, TGT.head_dim
     feats = jax.random.normal(jax.random.key(4), (r, m, feature_dim(d.config, TGT)))
-    ctx_len, anchors = jnp.array([3, 9]), jnp.array([1, 2])
+    ctx_len, anchors = jnp.array([3, 9, 12]), jnp.array([1, 2, 3])
+    writable = jnp.array([True, True, False])
     positions = jnp.broadcast_to(jnp.arange(m), (r, m))
     kv = d.apply({"params": p}, feats, positions, method="context_cache")
-    layers = d.config.resolved_num_layers
-    assert kv.shape == (r, m, layers, 2, TGT.num_key_value_heads, TGT.head_dim)
-    cached = jnp.transpose(kv, (2, 3, 0, 4, 1, 5))
+    assert kv.shape == (r, m, layers, 2 * kvh, hd)
+    pps = -(-(m + GAMMA) // ps)  # the table covers the context and the block
+    num_pages = 1 + r * pps + 3
+    order = np.random.default_rng(0).permutation(np.arange(1, num_pages))[: r * pps]
+    table = jnp.asarray(order.reshape(r, pps), jnp.int32)
+    pool = jax.random.normal(jax.random.key(6), (layers, num_pages, ps, 2 * kvh, hd))
+    slot, pos = np.nonzero(np.arange(m)[None, :] < np.asarray(ctx_len)[:, None])
+    pages = pool.at[:, table[slot, pos // ps], pos % ps].set(jnp.moveaxis(kv[slot, pos], 1, 0))
 
     def draft(ctx):
         return d.apply(
@@ -238,14 +246,27 @@ def test_cached_context_is_layer_major_and_drafts_like_features():
         )  # fmt: skip
 
     ref = draft(DraftContext(feats, ctx_len))
-    out = draft(DraftContext(cached, ctx_len, cached=True))
-    np.testing.assert_allclose(np.asarray(out.probs), np.asarray(ref.probs), atol=2e-5)
-    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
-    with pytest.raises(ValueError, match=r"cached context must be \[layers, 2, R, KV, M, D\]"):
-        draft(DraftContext(kv.reshape(r, m, -1), ctx_len, cached=True))
-    # Positions before heads (this buffer's previous layout) is refused, not misread.
-    with pytest.raises(ValueError, match=r"context cache has shape .* expected \[layers, 2"):
-        draft(DraftContext(jnp.moveaxis(kv, (2, 3), (0, 1)), ctx_len, cached=True))
+    out = draft(DraftContext(pages, ctx_len, cached=True, page_table=table, writable=writable))
+    # Writable slots draft exactly; slot 2 reads its block positions as they are (a slot
+    # that may not write is a finished one, whose drafts are never used).
+    np.testing.assert_allclose(np.asarray(out.probs[:2]), np.asarray(ref.probs[:2]), atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(out.tokens[:2]), np.asarray(ref.tokens[:2]))
+    # Only the writable slots' block positions changed.
+    changed = np.any(np.asarray(out.context != pages), axis=(0, 3, 4))  # [pages, offsets]
+    want = np.zeros_like(changed)
+    for s_ in range(r):
+        if writable[s_]:
+            for t in range(int(ctx_len[s_]), int(ctx_len[s_]) + GAMMA):
+                want[int(table[s_, t // ps]), t % ps] = True
+    np.testing.assert_array_equal(changed, want)
+    with pytest.raises(ValueError, match=r"cached context must be paged"):
+        draft(DraftContext(kv.reshape(r, m, -1), ctx_len, cached=True, page_table=table))
+    with pytest.raises(ValueError, match=r"needs its page table"):
+        draft(DraftContext(pages, ctx_len, cached=True))
+    # Keys and values split (a [layers, 2, ...] buffer) is refused, not misread.
+    split = pages.reshape(layers, num_pages, ps, kvh, 2, hd)[..., 0, :]
+    with pytest.raises(ValueError, match=r"expected \[layers, num_pages, page_size, 2\*kv"):
+        draft(DraftContext(split, ctx_len, cached=True, page_table=table))
 
 
 def test_block_visibility():

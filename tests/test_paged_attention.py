@@ -141,3 +141,72 @@ def test_page_pool_reserves_frees_and_refuses():
     with pytest.raises(ValueError, match=r"needs 5 KV pages of 4 tokens .* the page pool has 4"):
         PagePool(5, 4, 64).check_fits(10, 10)
     assert full_pool_pages(3, 10, 4) == 3 * 3 + 1
+
+
+def test_page_pool_reserves_the_draft_block_past_the_budget():
+    """With ``extra_positions = γ`` (a DSpark/DFlash drafter writes its block after the
+    context), a request reserves γ positions past prompt + max_new, also at max_len."""
+    pool = PagePool(num_pages=30, page_size=4, max_len=16, extra_positions=3)
+    assert pool.pages_per_seq == 5  # 16 + 3 positions
+    assert pool.pages_for(5, 3) == 3 and pool.pages_for(10, 100) == 5
+    assert len(np.nonzero(pool.allocate(5, 4))[0]) == 3  # 12 positions: 3 pages
+
+
+def _dense_block_attention(q, k, v, ctx_k, ctx_v, ctx_len):
+    """Per slot: softmax over [context keys < ctx_len ; all block keys], float64."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    s_, g, h, d = q.shape
+    group = h // k.shape[2]
+    out = np.zeros_like(q)
+    for s in range(s_):
+        n = int(ctx_len[s])
+        keys = np.concatenate([np.asarray(ctx_k[s, :n], np.float64), k[s]])
+        vals = np.concatenate([np.asarray(ctx_v[s, :n], np.float64), v[s]])
+        for j in range(h):
+            sc = q[s, :, j] @ keys[:, j // group].T * d**-0.5  # [G, keys]
+            p = np.exp(sc - sc.max(-1, keepdims=True))
+            out[s, :, j] = (p / p.sum(-1, keepdims=True)) @ vals[:, j // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+def test_block_attention_reads_context_and_whole_block_and_writes_it(dtype, tol):
+    """``block_attention`` (the drafted block over the paged drafter context) against a
+    dense reference: ragged contexts (empty, short, one filling the table with its block),
+    pages out of order in a pool of garbage, a second layer reached by its offset. The
+    block's K/V land right after each writable slot's context; a slot that may not write
+    leaves the pool unchanged."""
+    rng = np.random.default_rng(3)
+    s_, g, kv_heads, heads, d, ps, pps = 4, 3, 2, 4, 8, 4, 5
+    ctx_len = np.array([5, 0, ps * pps - g, 9], np.int32)  # slot 2: block fills the table
+    writable = np.array([True, True, True, False])
+    total = 1 + s_ * pps + 2
+    table = (1 + rng.permutation(total - 1))[: s_ * pps].reshape(s_, pps).astype(np.int32)
+    layer_pages = rng.normal(size=(2, total, ps, 2 * kv_heads, d))
+    ctx_k = np.zeros((s_, ps * pps, kv_heads, d))
+    ctx_v = np.zeros_like(ctx_k)
+    for s in range(s_):
+        for t in range(ps * pps):
+            page = layer_pages[1, table[s, t // ps], t % ps]
+            ctx_k[s, t], ctx_v[s, t] = page[0::2], page[1::2]
+    q = rng.normal(size=(s_, g, heads, d))
+    k = rng.normal(size=(s_, g, kv_heads, d))
+    v = rng.normal(size=(s_, g, kv_heads, d))
+    flat = jnp.asarray(layer_pages.reshape((-1,) + layer_pages.shape[2:]), dtype)
+    out, written = pa.block_attention(
+        *(jnp.asarray(x, dtype) for x in (q, k, v)), flat, jnp.asarray(table),
+        jnp.asarray(ctx_len), jnp.asarray(writable), layer_offset=total,
+    )  # fmt: skip
+    assert out.shape == q.shape and out.dtype == dtype
+    q32, k32, v32 = (np.asarray(jnp.asarray(x, dtype), np.float32) for x in (q, k, v))
+    ref = _dense_block_attention(q32, k32, v32, ctx_k, ctx_v, ctx_len)
+    ok = writable  # a slot that may not write reads its block positions as they are
+    np.testing.assert_allclose(np.asarray(out, np.float32)[ok], ref[ok], atol=tol, rtol=tol)
+    # The writes: each writable slot's block at ctx_len .. ctx_len + g - 1 of layer 1.
+    want = np.asarray(flat, np.float32).copy()
+    for s in np.nonzero(writable)[0]:
+        for j in range(g):
+            t = ctx_len[s] + j
+            row = np.stack([k32[s, j], v32[s, j]], axis=1).reshape(2 * kv_heads, d)
+            want[total + table[s, t // ps], t % ps] = row
+    np.testing.assert_array_equal(np.asarray(written, np.float32), want)

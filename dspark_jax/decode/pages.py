@@ -2,7 +2,9 @@
 
 A request is given, when it is admitted, every page it can ever write: its prompt plus
 ``max_new_tokens`` positions (the decode step never writes past ``prompt + max_new - 2``:
-verify lengths are capped by the tokens still allowed). Reserving at admission keeps the
+verify lengths are capped by the tokens still allowed), plus ``extra_positions`` for a
+DSpark/DFlash drafter, whose draft writes its block's γ K/V past the context into the
+same pages (``ops.paged_attention.block_attention``). Reserving at admission keeps the
 page table a constant of the request: it is written once by the prefill and never
 updated by the host between rounds, so rounds stay asynchronous (the host never waits to
 grow a sequence) and a running request can never run out of pages. Memory is what the
@@ -33,13 +35,14 @@ def full_pool_pages(num_slots: int, max_len: int, page_size: int) -> int:
 class PagePool:
     """Free list of pages ``1 .. num_pages - 1`` (page 0 is the null page)."""
 
-    def __init__(self, num_pages: int, page_size: int, max_len: int):
+    def __init__(self, num_pages: int, page_size: int, max_len: int, extra_positions: int = 0):
         if num_pages < 2:
             raise ValueError(f"a page pool needs >= 2 pages (page 0 is null), got {num_pages}")
         self.num_pages = int(num_pages)
         self.page_size = int(page_size)
         self.max_len = int(max_len)
-        self.pages_per_seq = pages_per_sequence(max_len, page_size)
+        self.extra_positions = int(extra_positions)
+        self.pages_per_seq = pages_per_sequence(self.max_len + self.extra_positions, page_size)
         # Lowest pages first: a fresh pool hands out 1, 2, 3, … (easy to read in tests).
         self._free = list(range(self.num_pages - 1, NULL_PAGE, -1))
         self._allocated: set[int] = set()
@@ -59,16 +62,17 @@ class PagePool:
     def pages_for(self, prompt_len: int, max_new_tokens: int) -> int:
         """Pages a request of this prompt and output budget reserves."""
         positions = min(int(prompt_len) + int(max_new_tokens), self.max_len)
-        return pages_per_sequence(positions, self.page_size)
+        return pages_per_sequence(positions + self.extra_positions, self.page_size)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         """Raise if the request could never be admitted, even into an empty pool."""
         need = self.pages_for(prompt_len, max_new_tokens)
         if need > self.capacity:
+            block = f" + {self.extra_positions} draft-block positions" * bool(self.extra_positions)
             raise ValueError(
                 f"the request needs {need} KV pages of {self.page_size} tokens "
-                f"({prompt_len} prompt + {max_new_tokens} new tokens) but the page pool has "
-                f"{self.capacity}; raise the pool size or lower max_tokens"
+                f"({prompt_len} prompt + {max_new_tokens} new tokens{block}) but the page "
+                f"pool has {self.capacity}; raise the pool size or lower max_tokens"
             )
 
     def allocate(self, prompt_len: int, max_new_tokens: int) -> np.ndarray | None:

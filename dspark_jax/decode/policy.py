@@ -121,7 +121,7 @@ class RoundPolicy:
         index = self._next_index
         self.last_wait_seconds = 0.0
         if self.two_phase:
-            plan = dec.plan(state)
+            state, plan = dec.plan(state)
             t0 = time.perf_counter()
             need = int(jax.device_get(plan.lengths).sum())
             # Time blocked on the device (the plan, and every round still queued before it).
@@ -146,7 +146,9 @@ class RoundPolicy:
         """Compile every verify bucket (``on_bucket(K, i, n)`` before the i-th of n);
         returns the state (the rounds ran on it)."""
         dec = self.decoder
-        plan = dec.plan(state) if self.two_phase else None
+        plan = None
+        if self.two_phase:
+            state, plan = dec.plan(state)
         for i, k in enumerate(self.buckets, 1):
             if on_bucket is not None:
                 on_bucket(k, i, len(self.buckets))

@@ -138,7 +138,7 @@ class Runner:
                 )
             if req.max_new_tokens < 1:
                 raise ValueError(f"request {i}: max_new_tokens must be >= 1")
-        pool = PagePool(dec.num_pages, cfg.page_size, cfg.max_len)
+        pool = PagePool(dec.num_pages, cfg.page_size, cfg.max_len, dec.draft_positions)
         for i, req in enumerate(requests):
             try:
                 pool.check_fits(len(req.prompt), req.max_new_tokens)

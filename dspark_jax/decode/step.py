@@ -78,6 +78,7 @@ from dspark_jax.ops.sampling import (
     split_keys,
 )
 from dspark_jax.sched import policies
+from dspark_jax.sharding import LOGICAL_RULES
 
 Array = jax.Array
 
@@ -109,7 +110,8 @@ class DecodeState(NamedTuple):
     cache: PagedKVCache  # the target's page pool (ops.paged_attention)
     page_table: Array  # [R, pages_per_seq] int32: each slot's pages (set at prefill)
     # Drafter context: [R, M, F] tap features (EAGLE-3, MTP-1), or for DSpark/DFlash each
-    # draft layer's K/V, [layers, 2, R, KV, M, D] (see SpeculativeDecoder.ctx_shape).
+    # draft layer's K/V in pages of the target's page table,
+    # [layers, num_pages, page_size, 2·KV, D] (see SpeculativeDecoder.ctx_shape).
     ctx_feats: Array
     ctx_tokens: Array  # [R, M] int32
     seq_len: Array  # [R] int32
@@ -258,9 +260,14 @@ class SpeculativeDecoder:
             )
         g = self.gamma
         self.table_len = config.num_slots * (g + 1) + 1
-        # The paged cache: its pool, and the backend of the verify attention.
-        self.pages_per_seq = pages_per_sequence(config.max_len, config.page_size)
-        self.full_pool = full_pool_pages(config.num_slots, config.max_len, config.page_size)
+        # The paged cache: its pool, and the backend of the verify attention. A drafter
+        # with a context K/V cache shares the target's page table and writes its block's
+        # K/V past the context (ops.paged_attention.block_attention), so a slot's pages
+        # cover γ positions past max_len (decode.pages).
+        self.draft_positions = g if self.kv_cache else 0
+        positions = config.max_len + self.draft_positions
+        self.pages_per_seq = pages_per_sequence(positions, config.page_size)
+        self.full_pool = full_pool_pages(config.num_slots, positions, config.page_size)
         self.num_pages = config.num_pages or self.full_pool
         self.attention = resolve_backend(config.attention, head_dim=tcfg.head_dim)
         self._sps = None
@@ -279,7 +286,9 @@ class SpeculativeDecoder:
         # are not baked into the executables as constants and a re-profiled table needs no
         # recompilation; the state is donated so caches update in place.
         self._round = jax.jit(self._round_impl, static_argnums=(2,), donate_argnums=(1,))
-        self._plan = jax.jit(self._plan_impl, static_argnums=(2,))
+        # The plan returns the state too: a DSpark/DFlash draft writes its block K/V into
+        # the paged drafter context in place (donated, like every round).
+        self._plan = jax.jit(self._plan_impl, static_argnums=(2,), donate_argnums=(1,))
         self._commit = jax.jit(self._commit_impl, static_argnums=(3,), donate_argnums=(1,))
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
         self._params = (target_params, drafter_params, np.zeros((self.table_len,), np.float32))
@@ -377,25 +386,32 @@ class SpeculativeDecoder:
     @property
     def ctx_shape(self) -> tuple[int, ...]:
         """Shape of ``DecodeState.ctx_feats``: ``[R, M, F]`` features, or for DSpark/DFlash
-        the draft layers' K/V, ``[layers, 2, R, KV, M, D]``: a draft layer reads its keys
-        and values as two contiguous slices, each head's ``[M, D]`` in the layout its
-        attention matmuls want (``ParallelBackbone.from_cache``)."""
+        the draft layers' K/V in pages, ``[layers, num_pages, page_size, 2·KV, D]``: the
+        target cache's layout and page table (``ops.paged_attention``), so its memory is
+        the page pool's, not ``slots × max_len``, and each slot's pages are read once per
+        draft layer, up to its length (``ParallelBackbone.from_paged_cache``)."""
         r, m = self.config.num_slots, self.config.max_len
         if self.kv_cache:
             layers, two, kv, d = self.drafter.config.context_kv_shape(self.target.config)
-            return (layers, two, r, kv, m, d)
+            return (layers, self.num_pages, self.config.page_size, two * kv, d)
         return (r, m, self.feat_dim)
 
-    def _write_context(self, ctx: Array, slots: Array, positions: Array, rows: Array) -> Array:
-        """Scatter context ``rows [..., F]`` (or ``[..., layers, 2, KV, D]``) into slot
-        ``slots`` at ``positions`` (both ``rows.shape[:-1]`` / ``[:-4]``); out-of-range
-        positions (``max_len``) are dropped."""
+    def _write_context(
+        self, ctx: Array, slots: Array, positions: Array, rows: Array, page_table: Array
+    ) -> Array:
+        """Scatter context ``rows [..., F]`` (or ``[..., layers, 2·KV, D]``) into slots
+        ``slots`` (rows of ``page_table`` for the paged K/V) at ``positions`` (both
+        ``rows.shape[:-1]`` / ``[:-3]``); out-of-range positions (``max_len``) are
+        dropped."""
         rows = rows.astype(ctx.dtype)
         if not self.kv_cache:
             return ctx.at[slots, positions].set(rows, mode="drop")
-        # Non-adjacent index arrays: the indexed shape is slots.shape + (layers, 2, KV, D),
-        # which is how context_cache lays out its rows.
-        return ctx.at[:, :, slots, :, positions].set(rows, mode="drop")
+        ps, pps = self.config.page_size, self.pages_per_seq
+        page = page_table[slots, jnp.clip(positions // ps, 0, pps - 1)]
+        page = jnp.where(positions < self.config.max_len, page, ctx.shape[1])  # dropped
+        # Adjacent index arrays (page, offset): the indexed shape is
+        # (layers,) + positions.shape + (2·KV, D).
+        return ctx.at[:, page, positions % ps].set(jnp.moveaxis(rows, -3, 0), mode="drop")
 
     def _context_rows(self, dp, taps, hidden, positions):
         """What the drafter context cache stores for target rows at ``positions``: tap
@@ -490,7 +506,9 @@ class SpeculativeDecoder:
             feats = jnp.zeros((b, t, 1), state.ctx_feats.dtype)
         else:
             feats = self._context_rows(params[1], taps, hidden, pos)
-        ctx_feats = self._write_context(state.ctx_feats, rows, write, feats)
+        # Row b's pages are page_rows[b] (the state's table is updated below).
+        table_rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+        ctx_feats = self._write_context(state.ctx_feats, table_rows, write, feats, page_rows)
         ctx_tokens = state.ctx_tokens.at[rows, write].set(prompts, mode="drop")
 
         finish = jnp.where(
@@ -558,7 +576,7 @@ class SpeculativeDecoder:
                 if c.scheduler == "topk":
                     st, out = self._round(self._params, st, k)
                 else:
-                    plan = self._plan(self._params, st, self.full_budget)
+                    st, plan = self._plan(self._params, st, self.full_budget)
                     st, out = self._commit(self._params, st, plan._replace(lengths=fill), k)
                 holder[0] = fresh(st)
                 return out.tokens
@@ -583,8 +601,11 @@ class SpeculativeDecoder:
         self._require_table()
         return self._round(self._params, state, self._check_budget(budget))
 
-    def plan(self, state: DecodeState, budget: int | None = None) -> Plan:
-        """Draft and schedule (no state change). ``budget`` only matters for ``topk``."""
+    def plan(self, state: DecodeState, budget: int | None = None) -> tuple[DecodeState, Plan]:
+        """Draft and schedule; returns ``(state, plan)``. ``budget`` only matters for
+        ``topk``. The state is donated, like a round's: only the DSpark/DFlash drafter
+        context changes (the draft's block K/V, written past every slot's context), so
+        commit the plan against the returned state."""
         self._require_table()
         k = self._check_budget(budget) if self.config.scheduler == "topk" else self.full_budget
         return self._plan(self._params, state, k)
@@ -597,7 +618,7 @@ class SpeculativeDecoder:
         """
         return self._commit(self._params, state, plan, self._check_budget(budget))
 
-    def _plan_impl(self, params, state: DecodeState, budget: int) -> Plan:
+    def _plan_impl(self, params, state: DecodeState, budget: int) -> tuple[DecodeState, Plan]:
         c = self.config
         # Each slot's stream: next key, draft draws, verification draws. Only active slots
         # advance, so a request's draws depend on its own rounds alone; coupled slots keep
@@ -611,14 +632,16 @@ class SpeculativeDecoder:
             jnp.swapaxes(self._position_keys(state), 0, 1)[: self.gamma],
             split_keys(draft_keys, self.gamma),
         )
-        draft_tokens, draft_probs, conf, _ = self._draft(params, state, StepKeys(step_keys))
+        draft_tokens, draft_probs, conf, out = self._draft(params, state, StepKeys(step_keys))
+        if out is not None and out.context is not None:
+            state = state._replace(ctx_feats=out.context)
         survival = jnp.cumprod(conf, axis=1)
         lengths = self._schedule(survival, active, budget, params[2])
         # Cap by cache room and max_new so no write goes past max_len (lengths only).
         room = jnp.maximum(c.max_len - 2 - state.seq_len, 0)
         lengths = jnp.minimum(lengths, jnp.minimum(room, jnp.maximum(state.remaining - 1, 0)))
         lengths = jnp.where(active, lengths, 0).astype(jnp.int32)
-        return Plan(
+        return state, Plan(
             draft_tokens=draft_tokens,
             draft_probs=draft_probs if c.sampling else None,
             confidence=conf,
@@ -629,7 +652,8 @@ class SpeculativeDecoder:
         )
 
     def _round_impl(self, params, state: DecodeState, budget: int):
-        return self._commit_impl(params, state, self._plan_impl(params, state, budget), budget)
+        state, plan = self._plan_impl(params, state, budget)
+        return self._commit_impl(params, state, plan, budget)
 
     def _logprobs(self, logits: Array, tokens: Array, rows: Array | None = None):
         """Target log-probabilities for logits ``[P, V]``: of ``tokens`` (``[...]``, each
@@ -664,10 +688,14 @@ class SpeculativeDecoder:
             return jnp.zeros((r, g), jnp.int32), probs, jnp.ones((r, g), jnp.float32), None
         tp, dp = params[0], params[1]
         context = DraftContext(
-            state.ctx_feats,  # K/V rows for DSpark/DFlash, else target features
+            state.ctx_feats,  # paged K/V for DSpark/DFlash, else target features
             state.seq_len,
             state.ctx_tokens,
             cached=self.kv_cache,
+            page_table=state.page_table,
+            writable=state.active,
+            attention=self.attention,
+            heads_axis=dict(LOGICAL_RULES)["cache_kv_heads"],
         )
         sampling = SamplingSettings(
             state.temperature if self.config.sampling else 0.0, state.top_k, state.top_p
@@ -799,7 +827,9 @@ class SpeculativeDecoder:
             feats = self._context_rows(params[1], taps, hidden, p_pos[:, None])[:, 0]
         ctx_feats = state.ctx_feats
         if feats is not None:
-            ctx_feats = self._write_context(ctx_feats, slot_rj, write, feats[gather_rows])
+            ctx_feats = self._write_context(
+                ctx_feats, slot_rj, write, feats[gather_rows], state.page_table
+            )
         ctx_tokens = state.ctx_tokens.at[slot_rj, write].set(tokens_rj, mode="drop")
 
         emitted = jnp.where(active, accepted + 1, 0)

@@ -36,6 +36,7 @@ from dspark_jax.models.qwen3 import (
     apply_rope,
     rope_tables,
 )
+from dspark_jax.ops.paged_attention import block_attention
 
 Array = jax.Array
 # (keys, values, mask). keys/values: [C,KV,D] shared by all rows, [B,C,KV,D] per row, or
@@ -173,13 +174,31 @@ class DraftDecoderLayer(nn.Module):
         out, _ = self(self.attn_input(h), h, block_positions, [(kc, vc, ctx_mask)], own="block")
         return out
 
-    def block_step_cached(
-        self, h: Array, kc: Array, vc: Array, block_positions: Array, ctx_mask: Array
-    ) -> Array:
-        """``block_step`` with the context K/V given (``[N, M, KV, D]``, RoPE applied): the
-        decode step keeps them per slot instead of recomputing them from features."""
-        out, _ = self(self.attn_input(h), h, block_positions, [(kc, vc, ctx_mask)], own="block")
-        return out
+    def block_step_paged(
+        self,
+        h: Array,
+        ctx_pages: Array,
+        layer_offset: int,
+        page_table: Array,
+        block_positions: Array,
+        writable: Array,
+        attention: str,
+        heads_axis: str | None,
+    ) -> tuple[Array, Array]:
+        """``block_step`` over the paged context K/V (``ops.paged_attention.block_attention``):
+        the block's own K/V are written into the pages after the context, then each slot's
+        pages are read once for its whole block. Returns ``(h, ctx_pages)``."""
+        cfg = self.config
+        q, k, v = self.self_attn.project(self.attn_input(h))
+        cos, sin = rope_tables(block_positions, cfg.head_dim, cfg.rope_theta)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attn, ctx_pages = block_attention(
+            q, k, v, ctx_pages, page_table, block_positions[:, 0], writable, layer_offset,
+            attention, heads_axis=heads_axis,
+        )  # fmt: skip
+        out = h + self.self_attn.output(attn)
+        out = out + self.mlp(self.post_attention_layernorm(out))
+        return out, ctx_pages
 
 
 class ParallelBackbone(nn.Module):
@@ -235,43 +254,59 @@ class ParallelBackbone(nn.Module):
 
     def context_cache(self, feats: Array, positions: Array) -> Array:
         """Every layer's context keys (k-normed, RoPE at ``positions``) and values of tap
-        features ``feats [..., T, m·d]``: ``[..., T, layers, 2, kv_heads, head_dim]``.
+        features ``feats [..., T, m·d]``: ``[..., T, layers, 2·kv_heads, head_dim]``, keys
+        at the even and values at the odd entries of the combined-heads axis (the paged
+        cache's layout, ``ops.paged_attention``).
 
         A position's K/V depend on its own features and position only, so the decode step
         computes them once, when the position is committed, and every later draft reuses
-        them (``from_cache``) instead of re-projecting the whole context each round."""
+        them (``from_paged_cache``) instead of re-projecting the whole context each round."""
         h_ctx = self.context(feats)
         parts = []
         for layer in self.layers:
             k, v = layer.context_kv(h_ctx, positions)
-            parts.append(jnp.stack([k, v], axis=-3))  # [..., T, 2, KV, D]
-        return jnp.stack(parts, axis=-4)  # [..., T, L, 2, KV, D]
+            kv = jnp.stack([k, v], axis=-2)  # [..., T, KV, 2, D]
+            parts.append(kv.reshape(kv.shape[:-3] + (-1, kv.shape[-1])))
+        return jnp.stack(parts, axis=-3)  # [..., T, L, 2KV, D]
 
-    def from_cache(
-        self, block_embeds: Array, block_positions: Array, ctx_cache: Array, ctx_mask: Array
-    ) -> Array:
-        """Final-normed block states ``[N, γ, d]`` over a context K/V cache stored
-        ``[layers, 2, N, kv_heads, M, head_dim]``, masked by ``ctx_mask [N, M]``.
-
-        Layer major, so one layer's keys (or values) are one contiguous slice; positions
-        next to ``head_dim``, so each head's ``[M, head_dim]`` is the tiled minor pair the
-        attention matmuls read. (As a flat per-position row, or with ``kv_heads`` next to
-        ``head_dim``, XLA:TPU copied the whole buffer into that layout every round.)"""
+    def from_paged_cache(
+        self,
+        block_embeds: Array,
+        block_positions: Array,
+        ctx_pages: Array,
+        page_table: Array,
+        writable: Array,
+        attention: str = "xla",
+        heads_axis: str | None = None,
+    ) -> tuple[Array, Array]:
+        """Final-normed block states ``[N, γ, d]`` over a paged context K/V cache
+        ``ctx_pages [layers, num_pages, page_size, 2·kv_heads, head_dim]`` (the target KV
+        cache's layout, ``ops.paged_attention``; slot ``n``'s position ``t`` at offset
+        ``t % page_size`` of page ``page_table[n, t // page_size]``). The block of slot
+        ``n`` sits at ``block_positions[n] = ctx_len[n] + 0..γ-1`` and sees the context
+        positions before it. Each layer writes its block K/V into the pages after the
+        context (slots with ``writable`` only) and reads each slot's pages once; returns
+        ``(h, ctx_pages)`` with those writes, which the caller keeps (they lie past the
+        committed context and are overwritten when those positions are committed)."""
         want = self.cache_shape()
-        shape = ctx_cache.shape
-        if ctx_cache.ndim != 6 or (shape[0], shape[1], shape[3], shape[5]) != want:
+        shape = ctx_pages.shape
+        layers, _, kv, d = want
+        if ctx_pages.ndim != 5 or (shape[0], shape[3], shape[4]) != (layers, 2 * kv, d):
             raise ValueError(
-                f"context cache has shape {shape}, expected [layers, 2, N, kv_heads, M, "
-                f"head_dim] with (layers, 2, kv_heads, head_dim) = {want}"
+                f"context cache has shape {shape}, expected [layers, num_pages, page_size, "
+                f"2*kv_heads, head_dim] with layers = {layers}, 2*kv_heads = {2 * kv}, "
+                f"head_dim = {d}"
             )
+        num_pages = shape[1]
+        flat = ctx_pages.reshape((layers * num_pages,) + shape[2:])
         h = block_embeds
-        mask = ctx_mask[:, None, :]
         for i, layer in enumerate(self.layers):
-            # [N, KV, M, D] -> [N, M, KV, D]: a logical transpose the matmul absorbs.
-            k, v = (jnp.swapaxes(ctx_cache[i, j], 1, 2) for j in (0, 1))
-            h = layer.block_step_cached(h, k, v, block_positions, mask)
+            h, flat = layer.block_step_paged(
+                h, flat, i * num_pages, page_table, block_positions, writable, attention,
+                heads_axis,
+            )  # fmt: skip
             h = nn.with_logical_constraint(h, ACT_AXES)
-        return self.norm(h)
+        return self.norm(h), flat.reshape(shape)
 
     def __call__(
         self,

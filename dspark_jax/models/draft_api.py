@@ -41,23 +41,34 @@ class DraftContext:
     """The committed context of R slots.
 
     rows: ``[R, M, F]`` features; rows ``>= length`` are ignored. With ``cached``: the
-      draft layers' context K/V from ``context_cache``, stored
-      ``[layers, 2, R, kv_heads, M, head_dim]``.
+      draft layers' context K/V from ``context_cache`` in pages,
+      ``[layers, num_pages, page_size, 2·kv_heads, head_dim]`` (``ops.paged_attention``),
+      slot ``r``'s position ``t`` at page ``page_table[r, t // page_size]``.
     length: ``[R]`` valid rows = the anchor's position (``>= 1`` for EAGLE-3/MTP-1).
     tokens: ``[R, M]`` committed tokens (EAGLE-3, MTP-1), else ``None``.
-    cached: ``rows`` are K/V from ``context_cache`` rather than target features.
+    cached: ``rows`` are paged K/V from ``context_cache`` rather than target features.
+    page_table: ``[R, pages_per_seq]`` (``cached`` only): it must cover ``length + γ``
+      positions, where the draft writes its block's K/V.
+    writable: ``[R]`` bool (``cached`` only): slots that own their pages and may write
+      the block's K/V (a finished slot may not); None: all.
+    attention: the paged attention backend (``ops.paged_attention``), and
+    heads_axis: the mesh axis its heads are split over (``cached`` only).
     """
 
     rows: Array
     length: Array
     tokens: Array | None = None
     cached: bool = flax.struct.field(pytree_node=False, default=False)
+    page_table: Array | None = None
+    writable: Array | None = None
+    attention: str = flax.struct.field(pytree_node=False, default="xla")
+    heads_axis: str | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def slots_and_rows(self) -> tuple[int, int]:
-        """``(R, M)``: slots and context rows per slot, whichever the layout."""
+        """``(R, M)``: slots and context positions per slot, whichever the layout."""
         if self.cached:
-            return self.rows.shape[2], self.rows.shape[4]
+            return self.page_table.shape[0], self.page_table.shape[1] * self.rows.shape[2]
         return self.rows.shape[0], self.rows.shape[1]
 
 
@@ -70,12 +81,15 @@ class DraftOutput(NamedTuple):
       for rejection sampling; a point mass at temperature 0).
     confidence_logits: ``[R, G]`` raw confidence logits ``z_k`` (apply STS temperatures,
       then σ), or ``None`` without a confidence head.
+    context: the paged context K/V after the draft's writes (``DraftContext.cached``; the
+      block K/V past each slot's context), which the caller keeps; else ``None``.
     """
 
     tokens: Array
     token_probs: Array
     probs: Array
     confidence_logits: Array | None
+    context: Array | None = None
 
     @property
     def confidence(self) -> Array | None:
@@ -103,8 +117,13 @@ def check_draft_inputs(
     need(accepts_cached or not context.cached, "has no context K/V cache (cached=True)")
     if context.cached:
         need(
-            context.rows.ndim == 6,
-            f"cached context must be [layers, 2, R, KV, M, D], got {context.rows.shape}",
+            context.rows.ndim == 5,
+            "cached context must be paged, [layers, num_pages, page_size, 2*KV, D], got "
+            f"{context.rows.shape}",
+        )
+        need(
+            context.page_table is not None and context.page_table.ndim == 2,
+            "a cached context needs its page table [R, pages_per_seq] (DraftContext.page_table)",
         )
     else:
         need(context.rows.ndim == 3, f"context rows must be [R, M, F], got {context.rows.shape}")

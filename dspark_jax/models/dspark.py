@@ -198,30 +198,39 @@ class DSparkDrafter(DrafterModule):
         """Draft γ tokens per slot (the drafting half of the decode step, DESIGN §5.2).
 
         ``context.rows``: tap features ``[R, M, m·d]`` of committed positions
-        ``0..length-1``, or (``cached=True``) the K/V ``context_cache`` computed for them,
-        ``[layers, 2, R, KV, M, D]``; both give the same drafts, the cached rows without
-        re-projecting the whole context every round. ``sampling``: scalars or ``[R]``
-        (temperature 0 = greedy argmax). ``embed``, ``lm_head``: the frozen target's.
+        ``0..length-1``, or (``cached=True``) the paged K/V ``context_cache`` computed for
+        them (``ParallelBackbone.from_paged_cache``); both give the same drafts, the cached
+        rows without re-projecting the whole context every round. ``sampling``: scalars
+        or ``[R]`` (temperature 0 = greedy argmax). ``embed``, ``lm_head``: the frozen
+        target's.
         """
         r, m = context.slots_and_rows
         ctx_len = context.length
-        ctx_mask = jnp.arange(m, dtype=jnp.int32)[None, :] < ctx_len[:, None]
         block_pos = ctx_len[:, None].astype(jnp.int32) + jnp.arange(
             self.config.gamma, dtype=jnp.int32
         )
         block = self._block_embeds(anchor_tokens, embed)
         if context.cached:
-            h = self.backbone.from_cache(block, block_pos, context.rows, ctx_mask)
-        else:
-            h_ctx = self.backbone.context(context.rows)
-            ctx_pos = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (r, m))
-            h = self.backbone(block, block_pos, h_ctx, ctx_pos, ctx_mask, shared_context=False)
+            writable = context.writable
+            if writable is None:
+                writable = jnp.ones((r,), bool)
+            h, pages = self.backbone.from_paged_cache(
+                block, block_pos, context.rows, context.page_table, writable,
+                context.attention, context.heads_axis,
+            )  # fmt: skip
+            return self._sample_block(h, anchor_tokens, rng, sampling, lm_head)._replace(
+                context=pages
+            )
+        ctx_mask = jnp.arange(m, dtype=jnp.int32)[None, :] < ctx_len[:, None]
+        h_ctx = self.backbone.context(context.rows)
+        ctx_pos = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (r, m))
+        h = self.backbone(block, block_pos, h_ctx, ctx_pos, ctx_mask, shared_context=False)
         return self._sample_block(h, anchor_tokens, rng, sampling, lm_head)
 
     # -- the per-slot context K/V cache (the decode step's path) --------------------------
     def context_cache(self, context_feats: Array, positions: Array) -> Array:
         """Context K/V of every draft layer for tap features ``[..., T, m·d]`` at absolute
-        ``positions [..., T]``: ``[..., T, layers, 2, KV, D]`` (see ``ParallelBackbone``)."""
+        ``positions [..., T]``: ``[..., T, layers, 2·KV, D]`` (see ``ParallelBackbone``)."""
         return self.backbone.context_cache(context_feats, positions)
 
     def _sample_block(self, h, anchor_tokens, rng, sampling, lm_head):

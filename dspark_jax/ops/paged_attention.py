@@ -33,6 +33,12 @@ output is zero. Backends:
   parallelism it runs per device on its own KV heads (``shard_map``).
 
 ``auto`` picks ``pallas_tpu`` on TPU and ``xla`` elsewhere (``resolve_backend``).
+
+Drafting (``block_attention``): the DSpark/DFlash drafter's context K/V live in pages of
+the same table and layout. A drafted block (bidirectional inside, seeing the context
+before it) is written into the pages after the context and run as one query row per slot,
+the block's positions folded into the heads, so the same backends read each slot's pages
+once per draft layer.
 """
 
 from __future__ import annotations
@@ -250,6 +256,65 @@ def reference_ragged_attention(
     return out.reshape(n, h, d).astype(q.dtype)
 
 
+def block_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    kv_flat: Array,
+    page_table: Array,
+    context_len: Array,
+    writable: Array,
+    layer_offset: Array | int = 0,
+    backend: str = "xla",
+    *,
+    heads_axis: str | None = None,
+) -> tuple[Array, Array]:
+    """Attention of a drafted block over its slot's paged context and the whole block.
+
+    ``q [S, G, H, D]``, ``k, v [S, G, KV, D]``: the block of slot ``s`` sits at positions
+    ``context_len[s] … + G - 1``; each of its queries sees every context position before
+    it and all ``G`` block keys (bidirectional inside the block: DSpark/DFlash drafting).
+    The block's K/V are written into the pages at those positions first (only for slots
+    with ``writable``: a finished slot may no longer own its pages), so the pages hold
+    ``[context ; block]`` contiguously; the positions past the context are not committed
+    and are overwritten when they are. Then every slot is *one* query row of a ragged
+    layout whose ``G·H`` query heads are the block's positions × heads, at the row's last
+    position ``context_len + G - 1``: causal attention from there reads exactly
+    ``[context ; block]``, and the slot's pages are read once for its whole block (the TPU
+    kernel), only up to its length. Returns ``(out [S, G, H, D], kv_flat)``.
+
+    The page table must cover ``context_len + G`` positions (``decode.pages``: a drafter
+    with a context cache reserves ``γ`` positions past ``max_len``)."""
+    s, g, h, d = q.shape
+    kv_heads = k.shape[2]
+    positions = context_len[:, None].astype(jnp.int32) + jnp.arange(g, dtype=jnp.int32)
+    slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[:, None], (s, g))
+    valid = jnp.broadcast_to(writable[:, None], (s, g))
+    kv_flat = write_kv(
+        kv_flat,
+        k.reshape(s * g, kv_heads, d),
+        v.reshape(s * g, kv_heads, d),
+        page_table,
+        slots.reshape(-1),
+        positions.reshape(-1),
+        valid.reshape(-1),
+        layer_offset,
+    )
+    # Heads ordered [KV, G, H/KV]: head j of the folded row maps to KV head j // (G·H/KV),
+    # the kernel's grouping; a split of the heads over chips keeps whole KV groups.
+    folded = q.reshape(s, g, kv_heads, h // kv_heads, d).transpose(0, 2, 1, 3, 4)
+    layout = RaggedLayout(
+        cu_q_lens=jnp.arange(s + 1, dtype=jnp.int32),
+        kv_lens=(context_len + g).astype(jnp.int32),
+        page_table=page_table.astype(jnp.int32),
+    )
+    out = ragged_attention(
+        folded.reshape(s, g * h, d), kv_flat, layout, layer_offset, backend, heads_axis=heads_axis
+    )
+    out = out.reshape(s, kv_heads, g, h // kv_heads, d).transpose(0, 2, 1, 3, 4)
+    return out.reshape(s, g, h, d), kv_flat
+
+
 def _split_axis(axis: str | None) -> str | None:
     """``axis`` if the current mesh splits the heads over it (more than one device)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -302,6 +367,7 @@ __all__ = [
     "NULL_PAGE",
     "PagedKVCache",
     "RaggedLayout",
+    "block_attention",
     "init_paged_cache",
     "layout_for_rows",
     "pages_per_sequence",

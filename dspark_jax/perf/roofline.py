@@ -147,15 +147,17 @@ def ragged_attention_calls(hlo_text: str) -> int:
 
 def kernel_attention_cost(
     target, *, slots: int, rows: int, context_len: int, page_size: int, tensor: int,
-    dtype_bytes: int = 2,
+    dtype_bytes: int = 2, queries_per_row: int = 1,
 ) -> dict[str, float]:  # fmt: skip
     """Modelled HBM bytes and flops per chip of one ragged-paged-attention call: every
     slot's KV pages up to ``context_len`` read once (whole pages), ``rows`` query rows read
     and written; QKᵀ and AV over ``context_len`` keys. Heads split over ``tensor`` chips
-    (replicated when they do not divide). A slot whose query rows straddle two of the
-    kernel's query blocks is read twice; that is not counted."""
+    (replicated when they do not divide). ``queries_per_row``: query positions folded into
+    a row's heads (a drafted block, ``ops.paged_attention.block_attention``: γ). A slot
+    whose query rows straddle two of the kernel's query blocks is read twice; that is not
+    counted."""
     kv_heads = target.num_key_value_heads
-    heads = target.num_attention_heads
+    heads = target.num_attention_heads * queries_per_row
     if kv_heads % tensor == 0 and heads % tensor == 0:
         kv_heads, heads = kv_heads // tensor, heads // tensor
     pages = -(-context_len // page_size)

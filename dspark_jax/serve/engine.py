@@ -130,7 +130,9 @@ class Engine(Service):
         self.shapes = ServingShapes(self.decoder, self.policy, cfg, tokenizer.eos_id)
         self.sps_table: sps_lib.SPSTable | None = None
         # The KV page pool: a request reserves its pages at admission (decode/pages.py).
-        self.pages = PagePool(self.decoder.num_pages, cfg.page_size, cfg.max_len)
+        self.pages = PagePool(
+            self.decoder.num_pages, cfg.page_size, cfg.max_len, self.decoder.draft_positions
+        )
         self._slot_pages: list[np.ndarray | None] = [None] * cfg.num_slots
         self.waiting_for_pages = False  # the queue's head waits for pages, not a slot
         self.attention_backend = self.decoder.attention

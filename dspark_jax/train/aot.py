@@ -471,18 +471,12 @@ def compile_serve_round(
         state = jax.eval_shape(dec.init_state)
         rep = NamedSharding(mesh, PartitionSpec())
         cache_names = ("cache_layers", "cache_pages", "cache_page_len", "cache_kv_heads", None)
-        heads_split = tcfg.num_key_value_heads % mesh.shape.get("tensor", 1) == 0
 
         def place(path, leaf):
             name = getattr(path[0], "name", None)
-            if name == "cache":
+            if name == "cache" or (name == "ctx_feats" and dec.kv_cache):
+                # The drafter's paged K/V has the target cache's layout and page table.
                 s = _state_sharding(cache_names, leaf.shape, mesh)
-            elif name == "ctx_feats" and dec.kv_cache:
-                # Drafter K/V, [layers, 2, R, KV, M, D]: slots and (when they divide)
-                # KV heads split like the target's KV cache.
-                heads = "cache_kv_heads" if heads_split else None
-                names = (None, None, "cache_slots", heads, None, None)
-                s = _state_sharding(names, leaf.shape, mesh)
             elif leaf.ndim >= 1 and name != "rng":
                 names = ("cache_slots",) + (None,) * (leaf.ndim - 1)
                 s = _state_sharding(names, leaf.shape, mesh)
