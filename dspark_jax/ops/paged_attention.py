@@ -308,9 +308,15 @@ def block_attention(
         kv_lens=(context_len + g).astype(jnp.int32),
         page_table=page_table.astype(jnp.int32),
     )
+    # The TPU kernel's score tile is (query rows × heads per KV head) × KV block: with γ
+    # positions folded into the heads, γ times fewer rows per block keep it the size the
+    # verify call uses (32 rows of a 5-layer 8B drafter at tensor 4 overflowed the 16 MB
+    # scoped VMEM of v5p).
+    queries = max(1, default_tpu_blocks(page_table.shape[1], s)[1] // g)
     out = ragged_attention(
-        folded.reshape(s, g * h, d), kv_flat, layout, layer_offset, backend, heads_axis=heads_axis
-    )
+        folded.reshape(s, g * h, d), kv_flat, layout, layer_offset, backend,
+        heads_axis=heads_axis, queries_per_block=queries,
+    )  # fmt: skip
     out = out.reshape(s, kv_heads, g, h // kv_heads, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(s, g, h, d), kv_flat
 
