@@ -463,9 +463,10 @@ def paged_section() -> list[str]:
             "whole cache row (results in `benchmarks/results/dense_gather_baseline/`, from "
             "the same `benchmarks/roofline.py` commands at commit d6354a4). After: today's "
             "round, with the paged cache, the TPU ragged-paged-attention kernel (its bytes "
-            "modelled, see the roofline tables) and the drafter context stored per layer "
-            "and head (`[layers, 2, R, KV, M, D]`; at tensor 8, one KV head per chip, "
-            "this did not lower the bytes). Per chip, Qwen3-8B, R = 64, max_len = 4096, every slot full.",
+            "modelled, see the roofline tables) and the DSpark drafter's context K/V in "
+            "pages of the same table, read by the same kernel once per draft layer "
+            "(`ops.paged_attention.block_attention`). Per chip, Qwen3-8B, R = 64, "
+            "max_len = 4096, every slot full.",
             "",
             "| topology | drafter | B | bytes before GB | after GB | / floor before | after "
             "| SPS(B)/SPS(R) before | after | peak memory before GB | after GB |",
