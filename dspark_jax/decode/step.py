@@ -67,6 +67,7 @@ from dspark_jax.ops.paged_attention import (
     NULL_PAGE,
     PagedKVCache,
     RaggedLayout,
+    page_locations,
     pages_per_sequence,
     resolve_backend,
 )
@@ -406,12 +407,13 @@ class SpeculativeDecoder:
         rows = rows.astype(ctx.dtype)
         if not self.kv_cache:
             return ctx.at[slots, positions].set(rows, mode="drop")
-        ps, pps = self.config.page_size, self.pages_per_seq
-        page = page_table[slots, jnp.clip(positions // ps, 0, pps - 1)]
-        page = jnp.where(positions < self.config.max_len, page, ctx.shape[1])  # dropped
+        page, offset = page_locations(
+            page_table, slots, positions, positions < self.config.max_len,
+            self.config.page_size, ctx.shape[1],
+        )  # fmt: skip
         # Adjacent index arrays (page, offset): the indexed shape is
         # (layers,) + positions.shape + (2·KV, D).
-        return ctx.at[:, page, positions % ps].set(jnp.moveaxis(rows, -3, 0), mode="drop")
+        return ctx.at[:, page, offset].set(jnp.moveaxis(rows, -3, 0), mode="drop")
 
     def _context_rows(self, dp, taps, hidden, positions):
         """What the drafter context cache stores for target rows at ``positions``: tap

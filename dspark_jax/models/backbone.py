@@ -132,11 +132,7 @@ class DraftDecoderLayer(nn.Module):
         ``"self"`` (each query sees only its own key), or ``"none"``. Returns the layer
         output ``[B, Q, d]`` and the queries' own ``(k, v)`` (RoPE applied).
         """
-        cfg = self.config
-        q, k, v = self.self_attn.project(x)
-        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        q, k, v = self._roped_qkv(x, positions)
         b, nq = x.shape[:2]
         srcs = list(sources)
         if own == "block":
@@ -148,10 +144,19 @@ class DraftDecoderLayer(nn.Module):
             raise ValueError(f"own must be 'block', 'self' or 'none', got {own!r}")
         if not srcs:
             raise ValueError("attention needs at least one key/value source")
-        attn = multi_source_attention(q, srcs)
+        return self._residual_mlp(resid, multi_source_attention(q, srcs)), (k, v)
+
+    def _roped_qkv(self, x: Array, positions: Array) -> tuple[Array, Array, Array]:
+        """The queries' ``q, k, v``, RoPE on ``q`` and ``k`` at ``positions``."""
+        cfg = self.config
+        q, k, v = self.self_attn.project(x)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _residual_mlp(self, resid: Array, attn: Array) -> Array:
+        """Output projection of ``attn`` onto the residual, then the MLP block."""
         h = resid + self.self_attn.output(attn)
-        h = h + self.mlp(self.post_attention_layernorm(h))
-        return h, (k, v)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
     def block_step(
         self,
@@ -188,17 +193,12 @@ class DraftDecoderLayer(nn.Module):
         """``block_step`` over the paged context K/V (``ops.paged_attention.block_attention``):
         the block's own K/V are written into the pages after the context, then each slot's
         pages are read once for its whole block. Returns ``(h, ctx_pages)``."""
-        cfg = self.config
-        q, k, v = self.self_attn.project(self.attn_input(h))
-        cos, sin = rope_tables(block_positions, cfg.head_dim, cfg.rope_theta)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self._roped_qkv(self.attn_input(h), block_positions)
         attn, ctx_pages = block_attention(
             q, k, v, ctx_pages, page_table, block_positions[:, 0], writable, layer_offset,
             attention, heads_axis=heads_axis,
         )  # fmt: skip
-        out = h + self.self_attn.output(attn)
-        out = out + self.mlp(self.post_attention_layernorm(out))
-        return out, ctx_pages
+        return self._residual_mlp(h, attn), ctx_pages
 
 
 class ParallelBackbone(nn.Module):

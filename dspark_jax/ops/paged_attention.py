@@ -158,15 +158,32 @@ def write_kv(
     """Write ``k, v [N, KV, D]`` of tokens at ``positions [N]`` of sequences ``slots [N]``
     into ``kv_flat [layers·P, page_size, 2·KV, D]`` (layer given by ``layer_offset =
     layer · P``). Tokens with ``valid`` False, or past their page table, write nothing."""
-    total, page_size = kv_flat.shape[0], kv_flat.shape[1]
+    page, offset = page_locations(
+        page_table, slots, positions, valid, kv_flat.shape[1], kv_flat.shape[0], layer_offset
+    )
+    n, kv_heads, d = k.shape
+    combined = jnp.stack([k, v], axis=2).reshape(n, 2 * kv_heads, d).astype(kv_flat.dtype)
+    return kv_flat.at[page, offset].set(combined, mode="drop")
+
+
+def page_locations(
+    page_table: Array,
+    slots: Array,
+    positions: Array,
+    valid: Array,
+    page_size: int,
+    num_pages: int,
+    layer_offset: Array | int = 0,
+) -> tuple[Array, Array]:
+    """``(page, offset)`` of tokens at ``positions`` of sequences ``slots`` (rows of
+    ``page_table``), pages offset by ``layer_offset``. Tokens with ``valid`` False, or
+    past their table, get page ``num_pages`` (out of range: a ``mode="drop"`` scatter
+    writes nothing for them)."""
     pages_per_seq = page_table.shape[1]
     page_slot = positions // page_size
     in_table = (page_slot < pages_per_seq) & (positions >= 0) & valid
     page = page_table[slots, jnp.clip(page_slot, 0, pages_per_seq - 1)] + layer_offset
-    page = jnp.where(in_table, page, total)
-    n, kv_heads, d = k.shape
-    combined = jnp.stack([k, v], axis=2).reshape(n, 2 * kv_heads, d).astype(kv_flat.dtype)
-    return kv_flat.at[page, positions % page_size].set(combined, mode="drop")
+    return jnp.where(in_table, page, num_pages), positions % page_size
 
 
 # ----------------------------------------------------------------------------------------
@@ -376,6 +393,7 @@ __all__ = [
     "block_attention",
     "init_paged_cache",
     "layout_for_rows",
+    "page_locations",
     "pages_per_sequence",
     "ragged_attention",
     "reference_ragged_attention",
