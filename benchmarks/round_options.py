@@ -44,7 +44,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     target = load_target(args.target)
-    drafter = load_drafter_dir(args.drafter, target.config)
+    drafter = load_drafter_dir(args.drafter, target)
     r = args.slots
     ids = target.tokenizer.encode(PROMPT)
     prompts = np.zeros((r, 64), np.int32)

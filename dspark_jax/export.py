@@ -34,7 +34,7 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str = "bfloat
     if load_run_config(workdir).get("task") == "drafter":  # a drafter_io directory + card
         return export_drafter(workdir, out, step, dtype)
 
-    cfg, model_config, step, params = restore_params(workdir, step)
+    cfg, model_config, step, params, _ = restore_params(workdir, step)
     # The exported config describes the architecture; precision is the file dtype.
     model_config = model_config.replace(dtype="float32", param_dtype="float32")
     written = save_hf(out, model_config, params, dtype=dtype)
@@ -56,11 +56,12 @@ def export_drafter(workdir: str, out: str, step: int | None = None, dtype: str =
     from dspark_jax.models.drafter_io import save_drafter
     from dspark_jax.train.trainer import make_task, read_metrics
 
-    cfg, tcfg, step, params = restore_params(workdir, step, tasks=("drafter",))
+    cfg, tcfg, step, params, meta = restore_params(workdir, step, tasks=("drafter",))
     task = make_task(cfg)
     dc = task.drafter_config
     tcfg = tcfg.replace(dtype="float32", param_dtype="float32", remat="none")
-    written = save_drafter(out, dc, tcfg, params, dtype=dtype)
+    fingerprint = meta.get("target_fingerprint")
+    written = save_drafter(out, dc, tcfg, params, dtype=dtype, target_fingerprint=fingerprint)
     evals = [m for m in read_metrics(workdir) if m.get("kind") == "eval" and m["step"] <= step]
     last = evals[-1] if evals else {}
     card = {
@@ -71,6 +72,7 @@ def export_drafter(workdir: str, out: str, step: int | None = None, dtype: str =
         "batch_size": cfg.data.batch_size,
         "seq_len": cfg.data.seq_len,
         "target": cfg.target.dir,
+        "target_fingerprint": fingerprint,
         "data": cfg.data.data_dir,
         "loss": cfg.loss.to_dict(),
         "heldout": {k: v for k, v in last.items() if k.startswith("heldout")},

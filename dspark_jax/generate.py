@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
     tcfg, tparams, tok, target = loaded.config, loaded.params, loaded.tokenizer, loaded.module
     drafter = dparams = sts = None
     if args.drafter is not None:
-        d = load_drafter_dir(args.drafter, tcfg)
+        d = load_drafter_dir(args.drafter, loaded)
         drafter, dparams, sts = d.module, jax.device_put(nn.unbox(d.params)), d.sts
     scheduler = args.scheduler or ("fixed" if drafter is not None else "none")
     if drafter is None and scheduler != "none":

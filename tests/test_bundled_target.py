@@ -1,7 +1,10 @@
-"""The bundled target (assets/target) loads everywhere and matches its model card."""
+"""The bundled target (assets/target) loads everywhere and matches its model card; the
+bundled drafters record its weights and refuse a retrained one."""
 
+import json
 import pathlib
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from dspark_jax.eval.lm import heldout_loss
 from dspark_jax.tokenizer import Tokenizer
 
 TARGET = pathlib.Path(__file__).resolve().parents[1] / "assets" / "target"
+DRAFTERS = sorted((TARGET.parent / "drafters").glob("*/drafter_config.json"))
 
 
 def _card_value(name: str) -> float:
@@ -52,3 +56,43 @@ def test_bundled_target_heldout_loss_matches_card(tmp_path):
     result = heldout_loss(str(TARGET), str(tmp_path / "stdlib"))
     expected = _card_value("Held-out loss")
     assert abs(result["heldout_loss"] - expected) <= 0.01 * expected, (result, expected)
+
+
+def test_weights_fingerprint_ignores_storage_dtype_and_sees_weights():
+    import ml_dtypes
+
+    from dspark_jax.models.fingerprint import weights_fingerprint
+
+    rng = np.random.default_rng(0)
+    params = {"embed_tokens": {"embedding": rng.normal(size=(5000, 16)).astype(np.float32)},
+              "norm": {"scale": np.ones(16, np.float32)}}  # fmt: skip
+    bf16 = {k: {n: a.astype(ml_dtypes.bfloat16) for n, a in v.items()} for k, v in params.items()}
+    assert weights_fingerprint(params) == weights_fingerprint(bf16)  # an fp32 vs bf16 export
+    params["embed_tokens"]["embedding"][0, 3] += 0.5  # row 0 is in the strided sample
+    assert weights_fingerprint(params) != weights_fingerprint(bf16)
+    with pytest.raises(ValueError, match="embed_tokens"):
+        weights_fingerprint({"layers": {}})
+
+
+def test_bundled_drafters_record_the_bundled_target_and_refuse_another(tmp_path):
+    from dspark_jax.convert import save_hf
+    from dspark_jax.convert.loading import load_drafter_dir, load_target
+
+    target = load_target(str(TARGET))
+    card = (TARGET / "README.md").read_text()
+    assert f"`{target.fingerprint}`" in card  # the model card's fingerprint row
+    assert len(DRAFTERS) == 5
+    for path in DRAFTERS:
+        assert json.loads(path.read_text())["target"]["weights"] == target.fingerprint, path
+        model_card = json.loads((path.parent / "model_card.json").read_text())
+        assert model_card["target_fingerprint"] == target.fingerprint, path
+        load_drafter_dir(path.parent, target)
+    # The same architecture and tokenizer with other weights: what retraining makes.
+    config, params = load_hf(str(TARGET))
+    params = {**params, "norm": {"scale": np.asarray(params["norm"]["scale"]) * 1.1}}
+    save_hf(tmp_path, config, params, dtype="bfloat16")
+    shutil.copy(TARGET / "tokenizer.json", tmp_path)
+    other = load_target(tmp_path)
+    for path in DRAFTERS:
+        with pytest.raises(ValueError, match="trained against other target weights"):
+            load_drafter_dir(path.parent, other)

@@ -54,9 +54,12 @@ def build_tiny_target(root, vocab_text_files=_FILES):
     return target, tok, texts
 
 
-def build_tiny_distill(out, tok, texts, target_config, n_train=96, n_heldout=16, seed=0):
+def build_tiny_distill(
+    out, tok, texts, target_config, n_train=96, n_heldout=16, seed=0, target_fingerprint=None
+):
     """A distill_dataset with records ``prompt (8..12 tokens) + continuation`` cut from
-    ``texts``; some end early with EOS so batches contain padding."""
+    ``texts``; some end early with EOS so batches contain padding (``target_fingerprint``:
+    the manifest's record of the target that generated it, absent by default)."""
     from dspark_jax.data import distill as D
 
     rng = np.random.default_rng(seed)
@@ -79,6 +82,8 @@ def build_tiny_distill(out, tok, texts, target_config, n_train=96, n_heldout=16,
         "tokenizer_sha1": hashlib.sha1(tok.path.read_bytes()).hexdigest(),
         "target_config": json.loads(target_config.to_json()),
     }
+    if target_fingerprint is not None:
+        manifest["target_fingerprint"] = target_fingerprint
     builder = D.DistillDataset(
         work_dir=work, metadata={"manifest": manifest}, data_dir=str(out),
         file_format="array_record",
@@ -294,7 +299,7 @@ def test_export_writes_loadable_drafter_with_card(env, dspark_run, tmp_path):
     assert card["heldout_step"] == 12 and "heldout_accept_k1" in card["heldout"]
     assert "accepted length" in open(os.path.join(out, "README.md")).read()
     module, params = load_drafter(out, read_hf_config(env["target"]))
-    _, _, _, trained = restore_params(work, tasks=("drafter",))
+    _, _, _, trained, _ = restore_params(work, tasks=("drafter",))
     jax.tree.map(
         lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
         jax.device_get(trained),
@@ -304,6 +309,59 @@ def test_export_writes_loadable_drafter_with_card(env, dspark_run, tmp_path):
                         "--dtype", "bfloat16"]) == 0  # fmt: skip
     assert export_main(["--workdir", work, "--out", str(tmp_path / "o3"),
                         "--dtype", "float16"]) == 2  # fmt: skip
+
+
+def _retrained_copy(target_dir, out_dir):
+    """The same architecture and tokenizer as ``target_dir`` with other weights (what a
+    retrained bundled target is to a drafter trained on the old one)."""
+    from dspark_jax.convert import load_hf, save_hf
+
+    config, params = load_hf(target_dir)
+    params = jax.tree.map(np.asarray, params)
+    params["embed_tokens"]["embedding"] = params["embed_tokens"]["embedding"] * 1.01
+    save_hf(out_dir, config, params, dtype="float32")
+    shutil.copy(os.path.join(target_dir, "tokenizer.json"), out_dir)
+    return str(out_dir)
+
+
+def test_drafter_records_and_checks_its_targets_weights(env, dspark_run, tmp_path):
+    """Export records the trained-against target's fingerprint; loading against a target of
+    the same shapes but other weights, resuming the run against it, and training on data
+    distilled from another target are refused with messages that say so."""
+    from dspark_jax.convert.loading import load_drafter_dir, load_target
+    from dspark_jax.export import main as export_main
+    from dspark_jax.sharding import make_mesh
+    from dspark_jax.train.trainer import make_task
+
+    cfg, work, _ = dspark_run
+    out = str(tmp_path / "drafter")
+    assert export_main(["--workdir", work, "--out", out, "--dtype", "float32"]) == 0
+    target = load_target(env["target"])
+    recorded = json.load(open(os.path.join(out, "drafter_config.json")))["target"]["weights"]
+    assert recorded == target.fingerprint
+    assert json.load(open(os.path.join(out, "model_card.json")))["target_fingerprint"] == recorded
+    load_drafter_dir(out, target)  # its own target: fine
+
+    other = load_target(_retrained_copy(env["target"], tmp_path / "other"))
+    assert other.config == target.config and other.fingerprint != target.fingerprint
+    with pytest.raises(ValueError, match="trained against other target weights"):
+        load_drafter_dir(out, other)
+    load_drafter_dir(out, other.config)  # a bare config is checked by shapes only
+
+    resumed = str(tmp_path / "resume")
+    shutil.copytree(work, resumed)
+    cfg2 = load_config(f"{TINY}:dspark", _overrides(env, train__steps=14) + [
+        ("target.dir", other.path)])  # fmt: skip
+    with pytest.raises(ValueError, match="holds other weights than this run started with"):
+        train(cfg2, resumed, devices=jax.devices()[:1], progress=False)
+
+    data = build_tiny_distill(str(tmp_path / "distill"), env["tok"], [open(
+        os.path.join(sysconfig.get_paths()["stdlib"], "abc.py")).read()] * 4,
+        target.config, n_train=8, n_heldout=4, target_fingerprint=other.fingerprint)  # fmt: skip
+    task = make_task(load_config(f"{TINY}:dspark", _overrides(env) + [("data.data_dir", data)]))
+    task.check()
+    with pytest.raises(ValueError, match="was distilled from another target"):
+        task.frozen_params(make_mesh(1, 1, 1, jax.devices()[:1]))
 
 
 def test_config_errors(env, tmp_path):

@@ -105,7 +105,7 @@ def test_export_writes_a_loadable_hf_directory(corpus, one_device_run, tmp_path)
     out = str(tmp_path / "hf")
     assert export_main(["--workdir", workdir, "--out", out, "--dtype", "float32"]) == 0
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
-    _, model_config, step, params = restore_params(workdir)
+    _, model_config, step, params, _ = restore_params(workdir)
     assert step == 40
     hf_config, hf_params = load_hf(out)
     assert hf_config.vocab_size == model_config.vocab_size == 320

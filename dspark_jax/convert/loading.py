@@ -7,6 +7,7 @@ its ``sts.json``). Missing files and mismatched models fail here with errors tha
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import jax
 
 from dspark_jax.convert.hf_qwen3 import load_hf
 from dspark_jax.models.drafter_io import STS, load_drafter, load_sts
+from dspark_jax.models.fingerprint import weights_fingerprint
 from dspark_jax.models.qwen3 import Qwen3, Qwen3Config
 from dspark_jax.tokenizer import TOKENIZER_FILENAME, Tokenizer
 
@@ -30,6 +32,12 @@ class LoadedTarget:
     config: Qwen3Config
     tokenizer: Tokenizer
     path: str
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """``models.fingerprint.weights_fingerprint`` of these weights (what a drafter
+        trained against them records, and is checked against when loaded)."""
+        return weights_fingerprint(self.params)
 
 
 @dataclasses.dataclass
@@ -80,11 +88,19 @@ def load_target(
 
 
 def load_drafter_dir(
-    drafter_dir: str | os.PathLike, target_config: Qwen3Config, label: str | None = None
+    drafter_dir: str | os.PathLike,
+    target: LoadedTarget | Qwen3Config,
+    label: str | None = None,
 ) -> LoadedDrafter:
-    """The drafter in ``drafter_dir`` for ``target_config``, with its calibration."""
+    """The drafter in ``drafter_dir`` for ``target``, with its calibration. A
+    :class:`LoadedTarget` is checked by its shapes and its weights' fingerprint (a drafter
+    trained against another checkpoint of the same architecture is refused); a bare
+    ``Qwen3Config`` by its shapes only."""
     path = os.fspath(drafter_dir)
-    module, params = load_drafter(path, target_config)
+    if isinstance(target, LoadedTarget):
+        module, params = load_drafter(path, target.config, target.fingerprint)
+    else:
+        module, params = load_drafter(path, target)
     drafter = LoadedDrafter(label or Path(path).name, module, params, path)
     if drafter.has_confidence:
         drafter.sts = load_sts(path, drafter.draft_len)

@@ -73,6 +73,7 @@ from dspark_jax.data.corpus import (
     read_metadata,
 )
 from dspark_jax.data.pipeline import read_batches
+from dspark_jax.models.fingerprint import weights_fingerprint
 from dspark_jax.tokenizer import Tokenizer
 
 DEFAULT_PROMPT_LEN = 128
@@ -423,6 +424,8 @@ def distill(
     manifest = {
         "target": target_id,
         "target_config": json.loads(model.config.to_json()),
+        # the weights, not only the shapes: a drafter trainer refuses data of another target
+        "target_fingerprint": weights_fingerprint(params),
         "tokenizer_sha1": hashlib.sha1(tokenizer.path.read_bytes()).hexdigest(),
         "corpus": str(find_dataset_dir(corpus_dir, corpus_name).resolve()),
         "eos_id": tokenizer.eos_id,

@@ -166,7 +166,7 @@ def cmd_acceptance(args) -> int:
     labels = [Path(d).name or d for d in args.drafter]
     if len(set(labels)) != len(labels):  # same directory name in different places
         labels = [f"{i}:{lab}" for i, lab in enumerate(labels)]
-    drafters = [load_drafter_dir(d, target.config, lab) for d, lab in zip(args.drafter, labels)]
+    drafters = [load_drafter_dir(d, target, lab) for d, lab in zip(args.drafter, labels)]
     entries, arrays = acc.evaluate(
         target,
         drafters,
@@ -214,7 +214,7 @@ def cmd_calibrate(args) -> int:
         fit_prompts += f
         held_prompts += h
     target = load_target(args.target)
-    spec = load_drafter_dir(args.drafter, target.config)
+    spec = load_drafter_dir(args.drafter, target)
     if not spec.has_confidence:
         raise ValueError(
             f"drafter {args.drafter} ({spec.config.kind}) has no confidence head; STS "

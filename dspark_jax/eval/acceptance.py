@@ -10,7 +10,7 @@ decode round (continuous batching via :class:`dspark_jax.decode.runner.Runner`).
 Programmatic use::
 
     target = load_target("models/pycode-small")  # dspark_jax.convert.loading
-    drafter = load_drafter_dir("models/pycode-small-dspark", target.config)
+    drafter = load_drafter_dir("models/pycode-small-dspark", target)
     prompts = {"humaneval": load_prompts("humaneval.jsonl", limit=50)}
     results, rounds = evaluate(target, [drafter], prompts, temperatures=(0.0,), gamma=7)
 """

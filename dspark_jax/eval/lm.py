@@ -1,8 +1,12 @@
-"""Held-out language-model loss of an exported target (model cards and their test).
+"""Held-out language-model loss of an exported target, and how often its greedy output
+degenerates into a loop (model cards and their test).
 
 ``python -m dspark_jax.eval.lm --target DIR --data-dir DIR`` evaluates the first
 ``num_batches`` unshuffled held-out batches of a prepared corpus with the exported weights,
-so a model card's number can be recomputed from the repository alone.
+so a model card's number can be recomputed from the repository alone. ``--loop-prompts
+FILE.jsonl`` (repeatable) also decodes those prompts greedily and reports the share whose
+continuation ends in a repeated n-gram loop (``eval.metrics.ends_in_loop``): a target whose
+greedy output is mostly loops makes greedy acceptance figures say little.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import sys
 import jax
 import numpy as np
 
-from dspark_jax.convert.loading import load_target
+from dspark_jax.convert.loading import LoadedTarget, load_target
 from dspark_jax.data import make_packed_batches
 from dspark_jax.train.lm_task import lm_loss_sums, next_token_targets
 
@@ -68,6 +72,40 @@ def heldout_loss(
     }
 
 
+def greedy_loop_share(
+    target: LoadedTarget,
+    prompt_files: list[str],
+    max_new_tokens: int = 64,
+    limit: int | None = None,
+    max_prompt_tokens: int = 512,
+) -> dict:
+    """Per prompt file: the share of prompts whose greedy continuation (``max_new_tokens``,
+    stopping at EOS) ends in a loop, and the mean generated length."""
+    from dspark_jax.decode.autoregressive import generate
+    from dspark_jax.eval.acceptance import encode_prompts
+    from dspark_jax.eval.metrics import ends_in_loop
+    from dspark_jax.eval.prompts import load_prompts
+
+    out = {}
+    for path in prompt_files:
+        prompts = load_prompts(path, limit=limit)
+        ids = encode_prompts(target.tokenizer, prompts, max_prompt_tokens)
+        max_len = min(
+            target.config.max_position_embeddings, max(map(len, ids)) + max_new_tokens + 1
+        )
+        gen = generate(
+            target.module, target.params, ids, max_new_tokens,
+            eos_id=target.tokenizer.eos_id, max_len=max_len,
+        )  # fmt: skip
+        loops = [ends_in_loop(t) for t in gen.tokens]
+        out[prompts[0].set_name if prompts else path] = {
+            "prompts": len(loops),
+            "loop_share": float(np.mean(loops)) if loops else 0.0,
+            "mean_new_tokens": float(np.mean([len(t) for t in gen.tokens])) if loops else 0.0,
+        }
+    return {"max_new_tokens": max_new_tokens, "limit": limit, "sets": out}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True)
@@ -75,13 +113,24 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--num-batches", type=int, default=16)
+    parser.add_argument("--loop-prompts", action="append", default=[], metavar="JSONL",
+                        help="prompt set whose greedy continuations are checked for loops")  # fmt: skip
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--limit", type=int, default=None, help="prompts per --loop-prompts set")
     args = parser.parse_args(argv)
     from dspark_jax.cli import run_main
 
     def cli(args):
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         result = heldout_loss(
             args.target, args.data_dir, args.seq_len, args.batch_size, args.num_batches
         )
+        if args.loop_prompts:
+            target = load_target(args.target, dtype="float32")
+            result["greedy"] = greedy_loop_share(
+                target, args.loop_prompts, args.max_new_tokens, args.limit
+            )
         print(json.dumps(result, indent=2))
 
     return run_main(cli, args)

@@ -3,9 +3,11 @@
 Layout of ``<dir>``:
 
 * ``drafter_config.json``: ``{"format": 1, "drafter": DrafterConfig fields, "target":
-  {"vocab_size", "hidden_size", "num_hidden_layers"}}``. The target fingerprint is what the
-  drafter's embedding / LM-head / tap shapes were built for; loading against another target
-  is an error that names both values.
+  {"vocab_size", "hidden_size", "num_hidden_layers", "weights"}}``. The target entry is what
+  the drafter's embedding / LM-head / tap shapes were built for, and ``weights`` the
+  trained-against target's ``models.fingerprint.weights_fingerprint``; loading against
+  another target (other shapes, or the same shapes with other weights) is an error that
+  names both values. Drafters saved before ``weights`` existed load without that check.
 * ``model.safetensors``: the flattened (unboxed) parameter tree, keys joined with ``/``
   (e.g. ``backbone/layer/attn/q_proj/kernel``), float32 or bfloat16.
 * ``sts.json`` (optional): the confidence head's calibration (``eval.calibration`` fits
@@ -47,7 +49,7 @@ __all__ = [
 CONFIG_NAME = "drafter_config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 1
-_FINGERPRINT = ("vocab_size", "hidden_size", "num_hidden_layers")
+_TARGET_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers")
 STS_FILENAME = "sts.json"
 
 
@@ -88,10 +90,12 @@ def save_drafter(
     target_config: Qwen3Config,
     params,
     dtype: str = "float32",
+    target_fingerprint: str | None = None,
 ) -> list[str]:
     """Write ``drafter_config.json`` and ``model.safetensors`` under ``path`` (created).
 
-    ``params`` may be boxed (``nn.Partitioned``) or plain. Returns the written paths.
+    ``params`` may be boxed (``nn.Partitioned``) or plain; ``target_fingerprint`` is the
+    ``weights_fingerprint`` of the target it was trained against. Returns the written paths.
     """
     from safetensors.numpy import save_file
 
@@ -105,10 +109,13 @@ def save_drafter(
     flat = _flatten(jax.device_get(nn.unbox(params)))
     tensors = {k: np.ascontiguousarray(np.asarray(v).astype(out_dtype)) for k, v in flat.items()}
     config_path = os.path.join(path, CONFIG_NAME)
+    target = {k: getattr(target_config, k) for k in _TARGET_SHAPE_KEYS}
+    if target_fingerprint is not None:
+        target["weights"] = target_fingerprint
     meta = {
         "format": FORMAT_VERSION,
         "drafter": drafter_config.to_dict(),
-        "target": {k: getattr(target_config, k) for k in _FINGERPRINT},
+        "target": target,
         "dtype": dtype,
     }
     with open(config_path, "w") as f:
@@ -119,12 +126,15 @@ def save_drafter(
     return [config_path, weights_path]
 
 
-def load_drafter(path: str | os.PathLike, target_config: Qwen3Config):
+def load_drafter(
+    path: str | os.PathLike, target_config: Qwen3Config, target_fingerprint: str | None = None
+):
     """Load a drafter directory for ``target_config``: returns ``(module, params)``.
 
     Params come back as a plain tree of float32 arrays. Raises ``FileNotFoundError`` for a
-    missing directory / file and ``ValueError`` for a drafter built for another target or a
-    weights file that does not match its config.
+    missing directory / file and ``ValueError`` for a drafter built for another target (its
+    shapes, or, given ``target_fingerprint``, its weights) or a weights file that does not
+    match its config.
     """
     from safetensors.numpy import load_file
 
@@ -153,13 +163,21 @@ def load_drafter(path: str | os.PathLike, target_config: Qwen3Config):
         raise ValueError(
             f"{config_path} has format {meta.get('format')!r}; this version reads {FORMAT_VERSION}"
         )
-    for key in _FINGERPRINT:
+    for key in _TARGET_SHAPE_KEYS:
         want, have = meta["target"].get(key), getattr(target_config, key)
         if want != have:
             raise ValueError(
                 f"Drafter {path} was trained for a different target: its {key} is {want}, "
                 f"the target's is {have}"
             )
+    trained_for = meta["target"].get("weights")
+    if target_fingerprint is not None and trained_for not in (None, target_fingerprint):
+        raise ValueError(
+            f"Drafter {path} was trained against other target weights (target fingerprint "
+            f"{trained_for}; this target's is {target_fingerprint}): the architectures match "
+            "but the weights do not, so its drafts would rarely be accepted. Use the target "
+            "it was trained for, or retrain it against this one"
+        )
     dcfg = DrafterConfig.from_dict(meta["drafter"])
     module = make_drafter(dcfg, target_config)
     expected = _flatten(

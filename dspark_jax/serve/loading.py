@@ -13,7 +13,7 @@ def load_models(target_dir: str, drafter_dir: str | None = None, dtype=None):
     target = load_target(target_dir, dtype=dtype, check_tokenizer=False)  # Engine checks
     if drafter_dir is None:
         return target.module, target.params, target.tokenizer, None, None, None
-    d = load_drafter_dir(drafter_dir, target.config)
+    d = load_drafter_dir(drafter_dir, target)
     return target.module, target.params, target.tokenizer, d.module, d.params, d.sts
 
 

@@ -45,6 +45,7 @@ from dspark_jax.models.drafter_config import (
     DrafterConfig,
     drafter_kind,
 )
+from dspark_jax.models.fingerprint import weights_fingerprint
 from dspark_jax.models.qwen3 import Qwen3, Qwen3Config
 from dspark_jax.train import anchors as A
 from dspark_jax.train import drafter_losses as L
@@ -70,6 +71,8 @@ class DrafterTask(Task):
         self._tokenizer = None
         self._drafter_config: DrafterConfig | None = None
         self._head_names = None  # logical axis names of the sequential head's params
+        self._target_fingerprint: str | None = None  # set when the target's weights load
+        self._data_target_fingerprint: str | None = None  # the distilled data's target
 
     # -- configs -------------------------------------------------------------------------
     @property
@@ -186,6 +189,7 @@ class DrafterTask(Task):
                 "--target TARGET_DIR --corpus-dir CORPUS --out-dir DIR`."
             ) from None
         manifest = read_metadata(ds_dir).get("manifest", {})
+        self._data_target_fingerprint = manifest.get("target_fingerprint")
         sha = manifest.get("tokenizer_sha1")
         if sha is not None:
             have = hashlib.sha1(self.tokenizer.path.read_bytes()).hexdigest()
@@ -204,7 +208,29 @@ class DrafterTask(Task):
     def checkpoint_meta(self) -> dict[str, Any]:
         meta = super().checkpoint_meta()
         meta["drafter_config"] = self.drafter_config.to_dict()
+        if self._target_fingerprint is not None:  # the export records it in the drafter
+            meta["target_fingerprint"] = self._target_fingerprint
         return meta
+
+    def check_resume(self, meta: dict[str, Any]) -> None:
+        saved = meta.get("target_fingerprint")
+        if saved is not None and self._target_fingerprint not in (None, saved):
+            raise ValueError(
+                f"target.dir = {self.target_dir!r} holds other weights than this run started "
+                f"with (target fingerprint {self._target_fingerprint}, the checkpoint's "
+                f"{saved}): point target.dir at the original target or use a new workdir"
+            )
+
+    def _check_target_weights(self, params) -> None:
+        """Record the target's fingerprint; refuse data distilled from another target."""
+        self._target_fingerprint = weights_fingerprint(params)
+        data_fp = self._data_target_fingerprint
+        if data_fp is not None and data_fp != self._target_fingerprint:
+            raise ValueError(
+                f"data.data_dir = {self.cfg.data.data_dir!r} was distilled from another target "
+                f"(target fingerprint {data_fp}; target.dir = {self.target_dir!r} has "
+                f"{self._target_fingerprint}): distill the data with this target"
+            )
 
     # -- params --------------------------------------------------------------------------
     def init_params(self, rng: jax.Array) -> Any:
@@ -219,6 +245,7 @@ class DrafterTask(Task):
 
         fcfg = self.frozen_config()
         _, params = load_hf(self.target_dir, dtype=self.cfg.target.dtype)
+        self._check_target_weights(params)
         boxed = jax.eval_shape(
             lambda: Qwen3(fcfg).init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32))["params"]
         )

@@ -26,9 +26,10 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
 
 def restore_params(
     workdir: str, step: int | None = None, tasks: tuple[str, ...] = ("lm",)
-) -> tuple[Any, Any, int, Any]:
-    """``(cfg, model_config, step, params)`` of a workdir's checkpoint, on one device
-    (its trainable params; ``tasks`` = the task names the caller can export)."""
+) -> tuple[Any, Any, int, Any, dict[str, Any]]:
+    """``(cfg, model_config, step, params, meta)`` of a workdir's checkpoint, on one device
+    (its trainable params and the task's ``checkpoint_meta``; ``tasks`` = the task names the
+    caller can export)."""
     import jax
 
     from dspark_jax import sharding as shd
@@ -59,6 +60,7 @@ def restore_params(
             abstract = spec.abstract.to_dict()
             ckpt.check_compatible(step, abstract)
             state = TrainState.from_dict(ckpt.restore(step, abstract))
+        meta = ckpt.meta(step)
     finally:
         ckpt.close()
-    return cfg, model_config, step, state.params
+    return cfg, model_config, step, state.params, meta

@@ -190,6 +190,10 @@ class Task:
     def checkpoint_meta(self) -> dict[str, Any]:
         return {"task": self.name, "model_config": dataclasses.asdict(self.model_config())}
 
+    def check_resume(self, meta: dict[str, Any]) -> None:
+        """Raise if the checkpoint (its ``checkpoint_meta``) was made against other frozen
+        inputs than this run has (after ``frozen_params``)."""
+
 
 def fixed_eval_batches(batches, num_batches: int, empty_message: str) -> list[dict]:
     """The first ``num_batches`` of ``batches`` (one unshuffled held-out pass, so every
@@ -361,6 +365,7 @@ def train(
         start = ckpt.latest_step()
         if start is not None:
             ckpt.check_compatible(start, spec.abstract.to_dict())
+            task.check_resume(ckpt.meta(start))
             state = TrainState.from_dict(ckpt.restore(start, spec.abstract.to_dict()))
             # Data position from every host's file: resuming on another host count works.
             dist.restore_host_iterator(ckpt.directory, start, data_it)
