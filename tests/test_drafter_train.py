@@ -174,6 +174,33 @@ def test_pack_blocks_indices_and_label_masks():
     np.testing.assert_array_equal(g.anchor_pos, [[3, 7], [9, 0]])
 
 
+def test_lm_head_is_vocab_parallel_for_label_rows(env):
+    """With fewer rows than vocabulary entries (a step's label positions) the frozen LM
+    head never materialises its whole weight on a device: the vocabulary is split over the
+    batch axes and the logits equal the single-device ones; with more rows it gathers the
+    weight instead (and still agrees)."""
+    from dspark_jax import sharding as shd
+    from dspark_jax.train.trainer import make_task
+
+    task = make_task(_cfg(env, "dspark"))
+    mesh = shd.make_mesh(1, 8, 1, jax.devices()[:8])
+    with jax.set_mesh(mesh), shd.rules_context(mesh):
+        frozen, frozen_sh = task.frozen_params(mesh)
+    w = frozen["lm_head"]["kernel"]  # untied tiny target: [d, V]
+    d, vocab = w.shape
+    full = np.asarray(jax.device_get(w))
+    for rows in (16, 2 * vocab):
+        h = jax.random.normal(jax.random.key(rows), (rows, d), jnp.float32)
+        with jax.set_mesh(mesh), shd.rules_context(mesh):
+            fn = jax.jit(lambda fz, x: task._lm_head(fz)(shd.batch_constraint(x)),
+                         in_shardings=(frozen_sh, shd.batch_sharding(mesh, 2)))  # fmt: skip
+            compiled = fn.lower(frozen, h).compile()
+            out = np.asarray(fn(frozen, h))
+        np.testing.assert_allclose(out, np.asarray(h) @ full, rtol=2e-5, atol=2e-5)
+        whole_weight = re.search(rf"\[{d},{vocab}\]", compiled.as_text()) is not None
+        assert whole_weight == (rows >= vocab), rows
+
+
 def test_grouped_packed_forward_equals_per_block_forward(env):
     """The task's vmapped, grouped forward gives each block what a lone forward gives it."""
     from dspark_jax.train.trainer import make_task

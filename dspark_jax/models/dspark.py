@@ -143,7 +143,10 @@ class DSparkDrafter(DrafterModule):
           block_tokens: ``[N, γ]`` true tokens at ``anchor_pos .. anchor_pos+γ-1``.
           block_seq: ``[N]`` sequence (row of ``context_feats``) of each block.
           anchor_pos: ``[N]`` anchor position of each block.
-          embed, lm_head: the frozen target embedding / LM head (arrays or callables).
+          embed, lm_head: the frozen target embedding / LM head (arrays or callables);
+            ``lm_head=None`` leaves the LM-head term ``lm_head(h)`` out of the returned
+            logits (None when nothing else is left) for the caller to add, e.g. outside a
+            vmap whose batch split would otherwise pin the head's rows.
 
         Block n attends to context rows ``(block_seq[n], t)`` with ``t < anchor_pos[n]`` and
         ``ctx_valid``, and to its own γ tokens; never to other blocks. Cost per layer:
@@ -185,11 +188,12 @@ class DSparkDrafter(DrafterModule):
             ctx_mask,
             shared_context=True,
         )
-        logits = apply_lm_head(lm_head, h, tgt.vocab_size)
+        logits = None if lm_head is None else apply_lm_head(lm_head, h, tgt.vocab_size)
         head_t, conf_t = self._tables()
         prev = block_tokens.astype(jnp.int32)  # x_{k-1} for outputs k = 1..γ
         if head_t is not None:
-            logits = logits + H.teacher_forced_bias(self.head_kind, head_t, prev, h)
+            bias = H.teacher_forced_bias(self.head_kind, head_t, prev, h)
+            logits = bias if logits is None else logits + bias
         conf = None if conf_t is None else self._confidence(conf_t, head_t, h, prev)
         return (logits, conf, h) if return_hidden else (logits, conf)
 

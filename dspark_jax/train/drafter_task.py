@@ -284,20 +284,49 @@ class DrafterTask(Task):
     def _lm_head(self, frozen):
         """The frozen LM head as a callable ``h [..., d] -> float32 logits [..., V]``.
 
-        Its weight is all-gathered over the batch axes first (FSDP: the ``embed`` axis is
-        split over ``fsdp``), so each device multiplies its own rows by the whole
-        ``[d, V]`` weight. Left to itself, the partitioner may instead contract the split
-        ``d`` axis and all-reduce a global-batch ``[rows, V]`` float32 partial product on
-        every device (the largest buffer of the step)."""
-        target = self._target()
-        frozen = dict(frozen)
-        if "lm_head" in frozen:
-            k = frozen["lm_head"]["kernel"]
-            frozen["lm_head"] = {"kernel": shd.gather_batch_axes(k, ("embed", "vocab"))}
-        else:
-            e = frozen["embed_tokens"]["embedding"]
-            frozen["embed_tokens"] = {"embedding": shd.gather_batch_axes(e, ("vocab", "embed"))}
-        return lambda h: target.apply({"params": frozen}, h, method="logits_from_hidden")
+        Two layouts, chosen per call from the (global) number of rows:
+
+        * **vocab-parallel**, when there are fewer rows than vocabulary entries (the label
+          positions of a step: B·N·γ rows): the weight is resharded so its *vocabulary*
+          axis is split over the batch axes (an all-to-all of the local shard, no copy of
+          the whole matrix), the rows are all-gathered (``rows × d``, small), and each
+          device computes the logits of every row for its slice of the vocabulary; the
+          caller's batch constraint then moves them back to row-split (an all-to-all of
+          the logits). Gathering the whole ``[d, V]`` weight on every device instead (the
+          FSDP default) was the largest buffer of the 8B step: 2 × 1.24 GB per chip on
+          XLA:TPU, ``benchmarks/results/aot_memory_v5p.md``.
+        * **weight-gathered** otherwise (EAGLE-3's every-position logits, where the rows
+          outnumber the weight): the weight is all-gathered over the batch axes and each
+          device multiplies its own rows. Left to itself, the partitioner may instead
+          contract the split ``d`` axis and all-reduce a global-batch ``[rows, V]``
+          float32 partial product on every device.
+        """
+        target, vocab = self._target(), self.model_config().vocab_size
+        tied = "lm_head" not in frozen
+        weight = frozen["embed_tokens"]["embedding"] if tied else frozen["lm_head"]["kernel"]
+        names = ("vocab", "embed") if tied else ("embed", "vocab")
+        mesh = jax.sharding.get_abstract_mesh()
+        split = () if mesh.empty else shd.batch_axes_dividing(vocab)
+
+        def with_weight(w):
+            if tied:
+                return dict(frozen, embed_tokens={"embedding": w})
+            return dict(frozen, lm_head={"kernel": w})
+
+        def head(h):
+            rows = math.prod(h.shape[:-1])
+            if not split or rows >= vocab:
+                w = shd.gather_batch_axes(weight, names)
+                return target.apply(
+                    {"params": with_weight(w)}, h, method="logits_from_hidden"
+                )  # fmt: skip
+            P = jax.sharding.PartitionSpec
+            w = jax.lax.with_sharding_constraint(weight, P(split, None) if tied else P(None, split))
+            h = jax.lax.with_sharding_constraint(h, P())
+            logits = target.apply({"params": with_weight(w)}, h, method="logits_from_hidden")
+            return jax.lax.with_sharding_constraint(logits, P(*([None] * (logits.ndim - 1)), split))
+
+        return head
 
     def _embed(self, frozen):
         table = frozen["embed_tokens"]["embedding"]
@@ -362,7 +391,7 @@ class DrafterTask(Task):
         def one(fe, va, bt, bs, ap):
             with nn.logical_axis_rules(shd.rules_without(axes)):
                 return module.apply(
-                    {"params": params}, fe, va, bt, bs, ap, embed, lm_head,
+                    {"params": params}, fe, va, bt, bs, ap, embed, None, True,
                     method="train_forward",
                 )  # fmt: skip
 
@@ -374,9 +403,15 @@ class DrafterTask(Task):
             grouped.anchor_pos,
         )
         ins = tuple(shd.batch_constraint(x, axes) for x in ins)
-        logits, conf = jax.vmap(one, spmd_axis_name=axes or None)(*ins)
+        # The LM head runs outside the vmap (``lm_head=None`` inside): its vocab-parallel
+        # layout needs the rows of every group on every device, which the group axis's
+        # batch split inside the vmap would forbid.
+        part, conf, h = jax.vmap(one, spmd_axis_name=axes or None)(*ins)
         n = packed.block_seq.shape[0]
-        logits = shd.batch_constraint(logits.reshape((n,) + logits.shape[2:]))
+        h = shd.batch_constraint(h.reshape((n,) + h.shape[2:]))
+        logits = shd.batch_constraint(lm_head(h))
+        if part is not None:  # the sequential head's bias (DSpark), row-split like h
+            logits = logits + shd.batch_constraint(part.reshape((n,) + part.shape[2:]))
         conf = None if conf is None else shd.batch_constraint(conf.reshape(n, -1))
         return logits, conf
 
