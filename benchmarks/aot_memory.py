@@ -35,6 +35,14 @@ TRAIN_ROWS = [
     ("8B fsdp64", "drafter_dspark_qwen3_8b.py", 64, "1,64,1", [], False),
     ("8B data8xfsdp8", "drafter_dspark_qwen3_8b.py", 64, "8,8,1", [], False),
     (
+        "8B fsdp64 remat",
+        "drafter_dspark_qwen3_8b.py",
+        64,
+        "1,64,1",
+        ["--config.drafter.remat=full"],
+        False,
+    ),  # fmt: skip
+    (
         "8B fsdp64 T=2048",
         "drafter_dspark_qwen3_8b.py",
         64,

@@ -94,3 +94,80 @@ def test_backend_resolution_and_errors():
         fa.resolve_flash_backend("flash", 16, 16)
     with pytest.raises(ValueError, match="attention must be one of"):
         Qwen3Config(attention="flash")
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+def test_draft_attention_by_key_chunks_matches_dense(dtype, tol):
+    """The drafter's multi-source attention read in key chunks (online softmax, chunks
+    rematerialised) equals the one dense softmax, values and gradients: a shared context
+    longer than a chunk and not a multiple of it, per-row and per-query sources,
+    anchor-bounded masks, and a query whose keys are all masked."""
+    from dspark_jax.models import backbone
+
+    rng = np.random.default_rng(0)
+    n, g, h, kv, d, c = 3, 4, 4, 2, 16, 300  # blocks, block length, heads, context
+    q = jnp.asarray(rng.normal(size=(n, g, h, d)), dtype)
+    ctx_k, ctx_v = (jnp.asarray(rng.normal(size=(c, kv, d)), dtype) for _ in range(2))
+    anchors = np.array([0, 120, 299])  # block 0 sees no context
+    ctx_mask = jnp.asarray(np.arange(c)[None, None, :] < anchors[:, None, None])
+    own_k, own_v = (jnp.asarray(rng.normal(size=(n, g, kv, d)), dtype) for _ in range(2))
+    own_mask = jnp.asarray(np.tril(np.ones((g, g), bool))[None].repeat(n, 0))
+    own_mask = own_mask.at[0, 0].set(False)  # query 0 of block 0: every key masked
+    chain_k, chain_v = (jnp.asarray(rng.normal(size=(n, g, 2, kv, d)), dtype) for _ in range(2))
+    chain_mask = jnp.ones((1, g, 2), bool)
+    sources = [(ctx_k, ctx_v, ctx_mask), (own_k, own_v, own_mask), (chain_k, chain_v, chain_mask)]
+
+    def run(chunk):
+        def f(q, ck, cv):
+            srcs = [(ck, cv, ctx_mask)] + sources[1:]
+            if chunk is None:
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(backbone, "KEY_CHUNK", 10**6)
+                    return backbone.multi_source_attention(q, srcs)
+            return backbone._blocked_attention(q, srcs, chunk)
+
+        out = f(q, ctx_k, ctx_v)
+        grads = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2), (0, 1, 2))(
+            q, ctx_k, ctx_v
+        )
+        return out, grads
+
+    dense, dense_g = run(None)
+    for chunk in (64, 128):  # 300 keys: 5 and 3 chunks, the last padded
+        out, grads = run(chunk)
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(dense, np.float32),
+                                   atol=tol, rtol=tol)  # fmt: skip
+        for a, b in zip(grads, dense_g):
+            scale = float(jnp.max(jnp.abs(b.astype(jnp.float32)))) + 1.0
+            np.testing.assert_allclose(np.asarray(a, np.float32) / scale,
+                                       np.asarray(b, np.float32) / scale, atol=tol)  # fmt: skip
+    # Long sources take the chunked path by themselves (what packed training runs).
+    long_k = jnp.tile(ctx_k, (3, 1, 1))[:700]
+    long_v = jnp.tile(ctx_v, (3, 1, 1))[:700]
+    long_mask = jnp.asarray(np.arange(700)[None, None, :] < np.array([5, 400, 699])[:, None, None])
+    auto = backbone.multi_source_attention(q, [(long_k, long_v, long_mask)] + sources[1:])
+    explicit = backbone._blocked_attention(q, [(long_k, long_v, long_mask)] + sources[1:], 512)
+    np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(explicit, np.float32))
+
+
+def test_draft_attention_stores_no_query_by_context_scores():
+    """Gradients of the drafter's attention over a 2048-key context: the chunked path has
+    no [.., Q, 2048] float32 score array in the compiled program; the dense one does."""
+    from dspark_jax.models import backbone
+
+    n, g, h, kv, d, c = 2, 4, 4, 2, 16, 2048
+    q = jnp.zeros((n, g, h, d))
+    k = v = jnp.zeros((c, kv, d))
+    mask = jnp.ones((n, 1, c), bool)
+    scores = f"f32[{n},{kv},{h // kv},{g},{c}]"
+
+    def hlo(chunk):
+        def loss(q, k, v):
+            return jnp.sum(backbone.multi_source_attention(q, [(k, v, mask)]) ** 2)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(backbone, "KEY_CHUNK", chunk)
+            return jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile().as_text()
+
+    assert scores not in hlo(backbone.KEY_CHUNK)
+    assert scores in hlo(10**6)  # the control: one dense softmax

@@ -44,6 +44,13 @@ Array = jax.Array
 Source = tuple[Array, Array, Array]
 
 
+# Keys per step of the blocked (online-softmax) path: a source longer than this is read in
+# chunks, so the float32 scores alive at once are [.., Q, KEY_CHUNK], not [.., Q, C]
+# (training: 32 blocks x 7 queries x 32 heads x the whole 4096-token context per layer).
+KEY_CHUNK = 512
+_SPECS = {3: "ckd", 4: "bckd", 5: "bqckd"}  # einsum letters of a source's keys/values
+
+
 def multi_source_attention(q: Array, sources: Sequence[Source]) -> Array:
     """One softmax over the concatenation of several key/value sources.
 
@@ -52,35 +59,110 @@ def multi_source_attention(q: Array, sources: Sequence[Source]) -> Array:
     ``[B, C, KV, D]`` (per row) or ``[B, Q, C, KV, D]`` (per query, e.g. an EAGLE-3 chain).
     Splitting the keys this way avoids materialising a dense ``[Q, all keys]`` mask over
     other rows' tokens. Scores and softmax in float32. Returns ``[B, Q, H, D]``.
+
+    When a source has more than ``KEY_CHUNK`` keys, every source is read in chunks with an
+    online softmax (running max and sum, the flash-attention recurrence) and each chunk is
+    rematerialised in the backward pass, so no ``[Q, C]`` score matrix is stored; the
+    result equals the dense softmax up to float rounding (tested).
     """
+    for k, _, _ in sources:
+        if k.ndim not in _SPECS:
+            raise ValueError(f"attention keys must be 3-, 4- or 5-D, got shape {k.shape}")
+    if any(k.shape[k.ndim - 3] > KEY_CHUNK for k, _, _ in sources):
+        return _blocked_attention(q, sources, KEY_CHUNK)
     b, nq, h, d = q.shape
     kvh = sources[0][0].shape[-2]
     qg = q.reshape(b, nq, kvh, h // kvh, d)
-    specs = {3: "ckd", 4: "bckd", 5: "bqckd"}
     scores, sizes = [], []
     for k, _, mask in sources:
-        if k.ndim not in specs:
-            raise ValueError(f"attention keys must be 3-, 4- or 5-D, got shape {k.shape}")
-        s = jnp.einsum(
-            f"bqkgd,{specs[k.ndim]}->bkgqc",
-            qg,
-            k.astype(q.dtype),
-            preferred_element_type=jnp.float32,
-        )
-        c = s.shape[-1]
-        m = jnp.broadcast_to(mask, (b, nq, c))
-        s = jnp.where(m[:, None, None], s * (d**-0.5), jnp.finfo(jnp.float32).min)
+        s = _masked_scores(qg, k, mask)
         scores.append(s)
-        sizes.append(c)
+        sizes.append(s.shape[-1])
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
     out = 0.0
     start = 0
     for (_, v, _), c in zip(sources, sizes):
         p = probs[..., start : start + c].astype(v.dtype)
         start += c
-        spec = {3: "ckd", 4: "bckd", 5: "bqckd"}[v.ndim]
-        out = out + jnp.einsum(f"bkgqc,{spec}->bqkgd", p, v, preferred_element_type=jnp.float32)
+        out = out + jnp.einsum(
+            f"bkgqc,{_SPECS[v.ndim]}->bqkgd", p, v, preferred_element_type=jnp.float32
+        )
     return out.reshape(b, nq, h, d).astype(q.dtype)
+
+
+def _masked_scores(qg: Array, k: Array, mask: Array) -> Array:
+    """Scaled float32 scores ``[B, KV, G, Q, C]`` of grouped queries ``qg [B, Q, KV, G, D]``
+    against one source's keys, ``finfo.min`` where ``mask`` (``[B, Q, C]``-broadcastable)
+    is False."""
+    b, nq, _, _, d = qg.shape
+    s = jnp.einsum(
+        f"bqkgd,{_SPECS[k.ndim]}->bkgqc", qg, k.astype(qg.dtype),
+        preferred_element_type=jnp.float32,
+    )  # fmt: skip
+    m = jnp.broadcast_to(mask, (b, nq, s.shape[-1]))
+    return jnp.where(m[:, None, None], s * (d**-0.5), jnp.finfo(jnp.float32).min)
+
+
+def _blocked_attention(q: Array, sources: Sequence[Source], chunk: int) -> Array:
+    """``multi_source_attention`` by key chunks with an online softmax.
+
+    The running maximum starts at ``finfo.min`` (the masked score), so a query whose keys
+    are all masked gets the same uniform average as the dense softmax, and masked keys
+    stop counting (their weight is rescaled by ``exp(min - max) = 0``) as soon as a
+    visible key appears.
+    """
+    b, nq, h, d = q.shape
+    kvh = sources[0][0].shape[-2]
+    g = h // kvh
+    qg = q.reshape(b, nq, kvh, g, d)
+    neg = jnp.finfo(jnp.float32).min
+    state = (
+        jnp.full((b, kvh, g, nq), neg, jnp.float32),  # running max
+        jnp.zeros((b, kvh, g, nq), jnp.float32),  # running sum of exp
+        jnp.zeros((b, kvh, g, nq, d), jnp.float32),  # running weighted values
+    )
+
+    @jax.checkpoint
+    def step(state, kvm):
+        k, v, mask = kvm
+        m, total, acc = state
+        s = _masked_scores(qg, k, mask)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        scale = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        pv = jnp.einsum(
+            f"bkgqc,{_SPECS[v.ndim]}->bkgqd", p.astype(v.dtype), v,
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
+        return (m_new, total * scale + jnp.sum(p, axis=-1), acc * scale[..., None] + pv)
+
+    for k, v, mask in sources:
+        axis = k.ndim - 3  # the key axis: C of [C,KV,D], [B,C,KV,D], [B,Q,C,KV,D]
+        c = k.shape[axis]
+        mask = jnp.broadcast_to(mask, (b, nq, c))
+        if c <= chunk:
+            state = step(state, (k, v, mask))
+            continue
+        n = -(-c // chunk)
+        pad = n * chunk - c
+        if pad:  # padded keys are masked out
+            widths = [(0, 0)] * k.ndim
+            widths[axis] = (0, pad)
+            k, v = jnp.pad(k, widths), jnp.pad(v, widths)
+            mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
+
+        def chunks(x, ax, n=n):  # [.., n·chunk, ..] -> [n, .., chunk, ..]
+            x = x.reshape(x.shape[:ax] + (n, chunk) + x.shape[ax + 1 :])
+            return jnp.moveaxis(x, ax, 0)
+
+        state, _ = jax.lax.scan(
+            lambda st, kvm: (step(st, kvm), None),
+            state,
+            (chunks(k, axis), chunks(v, axis), chunks(mask, 2)),
+        )
+    _, total, acc = state
+    out = acc / total[..., None]  # [B, KV, G, Q, D]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, nq, h, d).astype(q.dtype)
 
 
 class DraftDecoderLayer(nn.Module):
