@@ -294,7 +294,8 @@ class DrafterTask(Task):
           caller's batch constraint then moves them back to row-split (an all-to-all of
           the logits). Gathering the whole ``[d, V]`` weight on every device instead (the
           FSDP default) was the largest buffer of the 8B step: 2 × 1.24 GB per chip on
-          XLA:TPU, ``benchmarks/results/aot_memory_v5p.md``.
+          XLA:TPU (``benchmarks/results/gathered_lm_head_baseline/``). A tensor axis, when
+          the vocabulary divides over it too, keeps its share of the split.
         * **weight-gathered** otherwise (EAGLE-3's every-position logits, where the rows
           outnumber the weight): the weight is all-gathered over the batch axes and each
           device multiplies its own rows. Left to itself, the partitioner may instead
@@ -307,6 +308,9 @@ class DrafterTask(Task):
         names = ("vocab", "embed") if tied else ("embed", "vocab")
         mesh = jax.sharding.get_abstract_mesh()
         split = () if mesh.empty else shd.batch_axes_dividing(vocab)
+        if split and mesh.shape.get("tensor", 1) > 1:
+            if vocab % (math.prod(mesh.shape[a] for a in split) * mesh.shape["tensor"]) == 0:
+                split = split + ("tensor",)
 
         def with_weight(w):
             if tied:
