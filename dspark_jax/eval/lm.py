@@ -25,7 +25,7 @@ from dspark_jax.train.lm_task import lm_loss_sums, next_token_targets
 
 
 def heldout_loss(
-    target_dir: str,
+    target_dir: str | LoadedTarget,
     data_dir: str,
     seq_len: int = 512,
     batch_size: int = 4,
@@ -33,7 +33,9 @@ def heldout_loss(
     split: str = "heldout",
 ) -> dict:
     """Mean next-token cross-entropy (nats) over the first held-out batches, in order."""
-    target = load_target(target_dir, dtype="float32")
+    target = target_dir
+    if not isinstance(target, LoadedTarget):
+        target = load_target(target_dir, dtype="float32")
     model, params, tokenizer = target.module, target.params, target.tokenizer
     batches = make_packed_batches(
         data_dir, split, tokenizer, seq_len, batch_size, seed=0, shuffle=False, num_epochs=1
@@ -123,11 +125,11 @@ def main(argv=None) -> int:
     def cli(args):
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        target = load_target(args.target, dtype="float32")  # read once for both
         result = heldout_loss(
-            args.target, args.data_dir, args.seq_len, args.batch_size, args.num_batches
+            target, args.data_dir, args.seq_len, args.batch_size, args.num_batches
         )
         if args.loop_prompts:
-            target = load_target(args.target, dtype="float32")
             result["greedy"] = greedy_loop_share(
                 target, args.loop_prompts, args.max_new_tokens, args.limit
             )
