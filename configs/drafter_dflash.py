@@ -4,5 +4,5 @@ drafter; its shared budget and build commands: ``dspark_jax/train/bundled.py``."
 from dspark_jax.train.bundled import bundled_drafter_config
 
 
-def get_config():
-    return bundled_drafter_config("dflash", gamma=7, num_layers=2)
+def get_config(budget: str = "compute"):
+    return bundled_drafter_config("dflash", arm="dflash", budget=budget, gamma=7, num_layers=2)

@@ -146,6 +146,27 @@ def test_sampled_records_use_per_batch_seeds(env, tmp_path):
     assert D.batch_seed(11, TRAIN, 0) != D.batch_seed(11, TRAIN, 1)
 
 
+def test_record_cap_reads_what_a_smaller_distill_writes(env, tmp_path):
+    """``max_records = n`` (a multiple of the batch size) reads exactly the records
+    ``max_prompts = n`` writes, sampled ones included: prompts and per-batch seeds do not
+    depend on the cap, which is what makes one distillation serve a data-size curve."""
+    small, large = tmp_path / "small", tmp_path / "large"
+    for out, n in ((small, 2 * B), (large, 5 * B)):
+        s = _settings(temperature=1.0, max_prompts=n, seed=5)
+        D.distill(env["model"], env["params"], env["tok"], env["corpus"], out, s)
+
+    def rows(out, **kw):
+        it = D.make_distill_batches(out, TRAIN, P + M, B, seed=0, num_epochs=1,
+                                    shuffle=False, **kw)  # fmt: skip
+        return [r[:n].tolist() for b in it for r, n in zip(b["tokens"], b["length"]) if n]
+
+    capped = rows(large, max_records=2 * B)
+    assert capped == rows(small) and len(capped) == 2 * B
+    assert capped != rows(large)[-2 * B :]  # the cap is a prefix, not any 2B records
+    with pytest.raises(ValueError, match=r"max_records = 99: split 'train' .* holds 20"):
+        rows(large, max_records=99)
+
+
 def test_eos_is_kept_and_supervised(env, tmp_path):
     # A zero LM head makes every logit equal; greedy argmax then picks id 0, which is EOS.
     assert env["tok"].eos_id == 0

@@ -417,12 +417,15 @@ def make_text_dataset(
 
 
 def open_split(
-    ds_dir, split: str, seed: int, shuffle: bool, shard_index: int, shard_count: int
-) -> grain.MapDataset:
+    ds_dir, split: str, seed: int, shuffle: bool, shard_index: int, shard_count: int,
+    max_records: int | None = None,
+) -> grain.MapDataset:  # fmt: skip
     """One split of a prepared TFDS dataset as a (sharded, shuffled) grain ``MapDataset``.
 
     Sharding is strided and applied before shuffling: shards are disjoint, cover the
     split, and each host's order depends only on ``seed``. Records are not decoded.
+    ``max_records`` keeps the split's first records in stored order (before sharding and
+    shuffling); asking for more than the split holds is an error, not a silent shortfall.
     """
     builder = tfds.builder_from_directory(str(ds_dir))
     if split not in builder.info.splits:
@@ -431,6 +434,13 @@ def open_split(
         )
     source = builder.as_data_source(split=split)
     ds = grain.MapDataset.source(source)
+    if max_records is not None:
+        if not 0 < max_records <= len(source):
+            raise ValueError(
+                f"max_records = {max_records}: split {split!r} of {ds_dir} holds "
+                f"{len(source)} records (need 1 <= max_records <= {len(source)})"
+            )
+        ds = ds[:max_records]
     if shard_count > 1:
         ds = ds[shard_index::shard_count]
         if len(ds) == 0:

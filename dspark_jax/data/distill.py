@@ -534,8 +534,12 @@ def make_distill_dataset(
     shuffle: bool = True,
     pad_id: int | None = None,
     num_threads: int = 2,
+    max_records: int | None = None,
 ) -> grain.IterDataset:
-    """The batched ``IterDataset`` behind :func:`make_distill_batches`."""
+    """The batched ``IterDataset`` behind :func:`make_distill_batches`. ``max_records``: use
+    only the split's first records, which (records being stored in prompt order, one batch
+    of prompts and seeds at a time) are the data ``--max-prompts max_records`` would have
+    generated when it is a multiple of the distillation batch size."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     if not 0 <= shard_index < shard_count:
@@ -545,7 +549,7 @@ def make_distill_dataset(
         pad_id = read_metadata(ds_dir).get("manifest", {}).get("pad_id")
         if pad_id is None:
             raise ValueError(f"{ds_dir}/metadata.json records no pad_id; pass pad_id=")
-    ds = open_split(ds_dir, split, seed, shuffle, shard_index, shard_count)
+    ds = open_split(ds_dir, split, seed, shuffle, shard_index, shard_count, max_records)
     return read_batches(
         ds,
         functools.partial(_to_row, seq_len=seq_len, pad_id=int(pad_id)),

@@ -178,7 +178,9 @@ def teacher_forced_bias(kind: str, tables: Tables, prev_tokens: Array, h: Array)
         return state, bias
 
     state0 = init_state(kind, tables, prev_tokens.shape[:1])
-    _, biases = jax.lax.scan(body, state0, (prev_tokens.T, jnp.swapaxes(h, 0, 1)))
+    # Unrolled: γ steps are few, and a while loop's body is counted once by XLA's cost
+    # analysis (benchmarks/train_budget.py sizes the equal-compute budgets from it).
+    _, biases = jax.lax.scan(body, state0, (prev_tokens.T, jnp.swapaxes(h, 0, 1)), unroll=True)
     return jnp.swapaxes(biases, 0, 1)
 
 

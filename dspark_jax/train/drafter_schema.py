@@ -63,6 +63,14 @@ for _key in ("drafter.gamma", "drafter.anchors_per_seq", "drafter.eval_anchors_p
 for _key in ("loss.alpha_ce", "loss.alpha_tv", "loss.alpha_conf"):
     VALIDATORS[_key] = _non_negative_or_none(_key)
 VALIDATORS["loss.decay"] = _decay_check
+
+
+def _record_cap_check(v):
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"data.max_train_records must be an integer >= 0 (0 = all), got {v!r}")
+
+
+VALIDATORS["data.max_train_records"] = _record_cap_check
 VALIDATORS["loss.eagle3_step_weight"] = _step_weight_check
 
 
@@ -103,6 +111,9 @@ def drafter_default_config(kind: str = "dspark") -> ConfigDict:
     )
     cfg.data.data_dir = "data/distill"
     cfg.data.tokenizer = ""  # "" = <target.dir>/tokenizer.json
+    # Train on the first N distilled training records only (0 = all): the data-size axis
+    # of a drafter-quality-vs-data curve without distilling each size apart.
+    cfg.data.max_train_records = 0
     cfg.loss = ml_collections.ConfigDict(
         {
             "decay": 4.0,

@@ -598,7 +598,7 @@ class DrafterTask(Task):
         d = self.cfg.data
         return make_distill_batches(
             d.data_dir, TRAIN, d.seq_len, batch_size, d.seed, shard_index, shard_count,
-            num_epochs=None, shuffle=d.shuffle,
+            num_epochs=None, shuffle=d.shuffle, max_records=d.max_train_records or None,
         )  # fmt: skip
 
     def eval_batches(self, batch_size: int, num_batches: int, shard_index: int, shard_count: int):
