@@ -74,8 +74,9 @@ def bundled_drafter_config(kind: str, *, arm: str, budget: str = "compute", **dr
         drafter=dict(anchors_per_seq=32, eval_anchors_per_seq=32, **drafter),
         target=dict(dir="assets/target", dtype="float32"),
         data=dict(data_dir="data/distill", seq_len=384, batch_size=8),
+        # eval: 16 x 8 sequences = the whole 128-record held-out split of data/distill
         train=dict(
-            steps=steps, eval_every=100, eval_batches=4, keep_checkpoints=2,
+            steps=steps, eval_every=100, eval_batches=16, keep_checkpoints=2,
             **BUNDLED_SCHEDULE,
         ),
     )  # fmt: skip
