@@ -23,10 +23,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from dspark_jax.perf.roofline import cost_of
+from dspark_jax.perf.roofline import _OP_NAME, cost_of
 
 _WHILE = re.compile(r"while\(.*?body=%?([\w.\-]+)")
-_OP_NAME = re.compile(r'op_name="([^"]+)"')
 _RNG_OPS = ("threefry", "_uniform", "random_bits", "random_split", "random_fold_in")
 
 
@@ -61,8 +60,6 @@ def train_step_flops(cfg) -> dict[str, Any]:
         read = task._read_target_config
         task._read_target_config = lambda: read().replace(scan_layers=False)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
-    cfg = cfg.copy_and_resolve_references()
-    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 1, 1
     _, compiled = aot.compile_train_step(cfg, mesh, task=task)
     loops = model_loops(compiled.as_text())
     if loops:

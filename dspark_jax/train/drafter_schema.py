@@ -63,6 +63,7 @@ for _key in ("drafter.gamma", "drafter.anchors_per_seq", "drafter.eval_anchors_p
 for _key in ("loss.alpha_ce", "loss.alpha_tv", "loss.alpha_conf"):
     VALIDATORS[_key] = _non_negative_or_none(_key)
 VALIDATORS["loss.decay"] = _decay_check
+VALIDATORS["loss.eagle3_step_weight"] = _step_weight_check
 
 
 def _record_cap_check(v):
@@ -71,7 +72,6 @@ def _record_cap_check(v):
 
 
 VALIDATORS["data.max_train_records"] = _record_cap_check
-VALIDATORS["loss.eagle3_step_weight"] = _step_weight_check
 
 
 def drafter_default_config(kind: str = "dspark") -> ConfigDict:
