@@ -17,11 +17,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_lm_step_flops_match_a_hand_count():
     """3 × the forward's matmul flops (projections, MLP, LM head, QKᵀ and AV over the full
     [T, T] scores) for the bundled target's shape, within 3 %: the figure counts every
-    layer, not one scan body."""
+    layer, not one scan body. The tokenizer is the bundled target's (the config's default
+    path is a prepared corpus, which a fresh clone does not have)."""
+    tokenizer = os.path.join(ROOT, "assets", "target", "tokenizer.json")
     cfg = load_config(
         os.path.join(ROOT, "configs", "target_pycode_v2.py"),
         [("model.scan_layers", "False"), ("model.vocab_size", "8192"),
-         ("data.batch_size", "2"), ("data.seq_len", "128")],
+         ("data.batch_size", "2"), ("data.seq_len", "128"), ("data.tokenizer", tokenizer)],
     )  # fmt: skip
     d, ff, layers, vocab, heads, kv, hd = 256, 768, 6, 8192, 4, 2, 64
     b, t = 2, 128
