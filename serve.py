@@ -65,9 +65,12 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--attention",
-        choices=("auto", "xla", "pallas_tpu"),
+        # ops.paged_attention.ATTENTION_BACKENDS, spelled out so --help imports no jax
+        # (tests/test_serve_cli.py checks they agree)
+        choices=("auto", "xla", "pallas_tpu", "pallas_gpu"),
         default="auto",
-        help="verify attention backend (auto: the TPU kernel on TPU, XLA elsewhere)",
+        help="verify attention backend (auto: the TPU kernel on TPU, the Pallas GPU kernel "
+        "on GPU, XLA elsewhere)",
     )
     p.add_argument(
         "--prefill-batch", type=int, default=4, help="requests prefilled together in one call"

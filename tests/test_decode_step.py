@@ -322,8 +322,9 @@ PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 9, 9, 9], [2, 20, 2], [1
 
 
 def _greedy_case(
-    target, kind, mode, n_prompts, max_new, buckets=None, slots=3, max_len=48, pages=None
-):
+    target, kind, mode, n_prompts, max_new, buckets=None, slots=3, max_len=48, pages=None,
+    attention="auto",
+):  # fmt: skip
     model, params = target
     drafter, dparams = (None, None) if kind is None else _drafter(kind)
     g = 1 if drafter is None else drafter.config.draft_len
@@ -336,6 +337,7 @@ def _greedy_case(
         dparams,
         StepConfig(
             num_slots=slots, max_len=max_len, scheduler=mode, threshold=0.3,
+            attention=attention,
             **({} if pages is None else {"page_size": 4, "num_pages": pages}),
         ),
         sps_table=table if mode in ("prefix", "topk") else None,
@@ -389,6 +391,14 @@ def test_greedy_with_a_page_pool_smaller_than_the_slots(target):
     # 30 + 6 positions, and the γ = 4 a draft block writes past them: 10 pages of 4.
     with pytest.raises(ValueError, match=r"request 0: the request needs 10 KV pages .*4 draft"):
         runner.generate([Request([1] * 30, 6)])
+
+
+def test_greedy_matches_autoregressive_with_the_gpu_kernel(target):
+    """The Pallas GPU kernel (here in interpret mode) in both places it runs: the verify
+    rows and the drafted block over the paged drafter context, pages reused in another
+    order by a pool smaller than the slots."""
+    dec, _, _ = _greedy_case(target, "dspark", "topk", 5, 8, pages=9, attention="pallas_gpu")
+    assert dec.attention == "pallas_gpu"
 
 
 @pytest.mark.parametrize("mode", ["topk", "prefix"])

@@ -1,8 +1,12 @@
-"""Paged KV cache and ragged attention: the XLA backend against jax's own dense reference
-of the TPU kernel (``ref_ragged_paged_attention``), page writes and the host page pool. (The TPU kernel cannot run on CPU: XLA:TPU compiles
-it inside the serving round in ``test_aot_tpu.py``.)"""
+"""Paged KV cache and ragged attention: the XLA backend and the Pallas GPU kernel (in
+interpret mode) against jax's own dense reference of the TPU kernel
+(``ref_ragged_paged_attention``), page writes and the host page pool. (The TPU kernel
+cannot run on CPU: XLA:TPU compiles it inside the serving round in ``test_aot_tpu.py``;
+the GPU kernel's Triton lowering for CUDA is checked here.)"""
 
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -37,10 +41,14 @@ def _case(dtype, seed=0, page_size=4, pages_per_seq=6, kv_heads=2, heads=4, d=8)
     return q, kv, layout
 
 
+BACKENDS = ["xla", "pallas_gpu"]  # the ones that run on CPU (the GPU kernel interpreted)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_xla_backend_matches_the_kernels_reference(dtype, tol):
+def test_backends_match_the_kernels_reference(backend, dtype, tol):
     q, kv, layout = _case(dtype)
-    out = pa.ragged_attention(q, kv, layout, backend="xla")
+    out = pa.ragged_attention(q, kv, layout, backend=backend)
     num_seqs = jnp.array([layout.kv_lens.shape[0]], jnp.int32)
     ref = ref_ragged_paged_attention(
         q, kv, layout.kv_lens, layout.page_table, layout.cu_q_lens, num_seqs,
@@ -54,18 +62,20 @@ def test_xla_backend_matches_the_kernels_reference(dtype, tol):
     np.testing.assert_array_equal(np.asarray(out[n:], np.float32), 0)  # padding rows
 
 
-def test_xla_backend_reads_only_within_each_length_and_layer():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backends_read_only_within_each_length_and_layer(backend):
     """Garbage everywhere a sequence does not own (other layers, the null page, positions
     past its length) leaves the result unchanged; moving a sequence's pages elsewhere in
     the pool with its table entries does too."""
     q, kv, layout = _case(jnp.float32, seed=1)
     layers = jnp.stack([kv, kv * 0 + 1e3])  # layer 1 is garbage: the result reads layer 0
     flat = layers.reshape((-1,) + kv.shape[1:])
-    base = pa.ragged_attention(q, kv, layout)
-    np.testing.assert_allclose(pa.ragged_attention(q, flat, layout, 0), base, atol=1e-6)
+    attend = functools.partial(pa.ragged_attention, backend=backend)
+    base = attend(q, kv, layout)
+    np.testing.assert_allclose(attend(q, flat, layout, 0), base, atol=1e-6)
     # Layer 1 with the real values, reached through the offset.
     flat2 = jnp.stack([kv * 0 - 1e3, kv]).reshape(flat.shape)
-    np.testing.assert_allclose(pa.ragged_attention(q, flat2, layout, kv.shape[0]), base, atol=1e-6)
+    np.testing.assert_allclose(attend(q, flat2, layout, kv.shape[0]), base, atol=1e-6)
     # Poison positions past each length and the null page.
     poisoned = np.array(kv)
     poisoned[0] = 1e4
@@ -75,9 +85,57 @@ def test_xla_backend_reads_only_within_each_length_and_layer():
             page = int(layout.page_table[s, pos // ps])
             if page:
                 poisoned[page, pos % ps] = -1e4
-    np.testing.assert_allclose(
-        pa.ragged_attention(q, jnp.asarray(poisoned), layout), base, atol=1e-6
+    np.testing.assert_allclose(attend(q, jnp.asarray(poisoned), layout), base, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows, pages", [(1, 1), (2, 2), (4, 8)])
+def test_gpu_kernel_blocks_do_not_change_the_result(rows, pages):
+    """Row blocks shorter than a sequence's rows (the kernel loops over them) and key
+    blocks of one to every page give the same result."""
+    from dspark_jax.ops.ragged_attention_gpu import ragged_paged_attention_gpu
+
+    q, kv, layout = _case(jnp.float32, seed=2)
+    n = int(layout.cu_q_lens[-1])
+    num_seqs = jnp.array([layout.kv_lens.shape[0]], jnp.int32)
+    out = ragged_paged_attention_gpu(
+        q, kv, layout.cu_q_lens, layout.kv_lens, layout.page_table, num_seqs,
+        rows_per_block=rows, pages_per_block=pages, interpret=True,
+    )  # fmt: skip
+    ref = pa.ragged_attention(q, kv, layout, backend="xla")
+    np.testing.assert_allclose(out[:n], ref[:n], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "rows, heads, kv_heads, d, page_size, dtype",
+    [
+        (512, 32, 8, 128, 16, jnp.bfloat16),  # Qwen3-8B verify rows, one GPU
+        (64, 32 * 7, 8, 128, 16, jnp.bfloat16),  # its drafted block: γ = 7 folded in heads
+        (16, 4, 2, 64, 4, jnp.float32),  # the bundled target
+    ],
+)
+def test_gpu_kernel_lowers_to_triton_for_cuda(rows, heads, kv_heads, d, page_size, dtype):
+    """The kernel's Triton lowering for CUDA (what a GPU compiles; no GPU needed): every
+    block shape it builds is one Triton accepts, for the shapes the server runs."""
+    import jax
+
+    from dspark_jax.ops.ragged_attention_gpu import ragged_paged_attention_gpu
+
+    seqs, pages_per_seq = 64, 257
+    args = (
+        jax.ShapeDtypeStruct((rows, heads, d), dtype),
+        jax.ShapeDtypeStruct((4096, page_size, 2 * kv_heads, d), dtype),
+        jax.ShapeDtypeStruct((seqs + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((seqs,), jnp.int32),
+        jax.ShapeDtypeStruct((seqs, pages_per_seq), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
     )
+    triton = "__gpu$xla.gpu.triton"
+    exported = jax.export.export(
+        jax.jit(ragged_paged_attention_gpu),
+        platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)],
+    )(*args)
+    assert exported.mlir_module().count(f"@{triton}") == 1
 
 
 def test_write_kv_places_tokens_on_their_pages():
@@ -113,7 +171,12 @@ def test_backend_resolution_and_errors():
     assert pa.resolve_backend("auto", "cpu") == "xla"
     assert pa.resolve_backend("auto", "tpu", head_dim=128) == "pallas_tpu"
     assert pa.resolve_backend("auto", "tpu", head_dim=64) == "xla"  # the kernel's tiling
-    assert pa.resolve_backend("auto", "gpu") == "xla"
+    assert pa.resolve_backend("auto", "gpu") == "pallas_gpu"
+    assert pa.resolve_backend("auto", "gpu", head_dim=64) == "pallas_gpu"
+    assert pa.resolve_backend("auto", "gpu", head_dim=96) == "xla"  # Triton's power of two
+    assert pa.resolve_backend("pallas_gpu", "cpu") == "pallas_gpu"  # interpreted off GPU
+    with pytest.raises(ValueError, match="power-of-two head_dim >= 16, got 96"):
+        pa.resolve_backend("pallas_gpu", head_dim=96)
     with pytest.raises(ValueError, match="Unknown attention backend 'flash'"):
         pa.resolve_backend("flash")
     with pytest.raises(ValueError, match="head_dim % 128 == 0, got 64"):
@@ -169,8 +232,9 @@ def _dense_block_attention(q, k, v, ctx_k, ctx_v, ctx_len):
     return out
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
-def test_block_attention_reads_context_and_whole_block_and_writes_it(dtype, tol):
+def test_block_attention_reads_context_and_whole_block_and_writes_it(backend, dtype, tol):
     """``block_attention`` (the drafted block over the paged drafter context) against a
     dense reference: ragged contexts (empty, short, one filling the table with its block),
     pages out of order in a pool of garbage, a second layer reached by its offset. The
@@ -195,7 +259,7 @@ def test_block_attention_reads_context_and_whole_block_and_writes_it(dtype, tol)
     flat = jnp.asarray(layer_pages.reshape((-1,) + layer_pages.shape[2:]), dtype)
     out, written = pa.block_attention(
         *(jnp.asarray(x, dtype) for x in (q, k, v)), flat, jnp.asarray(table),
-        jnp.asarray(ctx_len), jnp.asarray(writable), layer_offset=total,
+        jnp.asarray(ctx_len), jnp.asarray(writable), layer_offset=total, backend=backend,
     )  # fmt: skip
     assert out.shape == q.shape and out.dtype == dtype
     q32, k32, v32 = (np.asarray(jnp.asarray(x, dtype), np.float32) for x in (q, k, v))
@@ -210,3 +274,27 @@ def test_block_attention_reads_context_and_whole_block_and_writes_it(dtype, tol)
             row = np.stack([k32[s, j], v32[s, j]], axis=1).reshape(2 * kv_heads, d)
             want[total + table[s, t // ps], t % ps] = row
     np.testing.assert_array_equal(np.asarray(written, np.float32), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backends_split_over_kv_heads_equal_the_unsplit_result(backend):
+    """Under tensor parallelism (heads and the cache's K/V heads split over a mesh axis)
+    each device attends with its own heads; the result is the single-device one."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    q, kv, layout = _case(jnp.float32, seed=4)
+    base = pa.ragged_attention(q, kv, layout, backend=backend)
+    from dspark_jax.sharding import make_mesh
+
+    mesh = make_mesh(data=1, tensor=2, devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        qs = jax.device_put(q, NamedSharding(mesh, PartitionSpec(None, "tensor", None)))
+        kvs = jax.device_put(kv, NamedSharding(mesh, PartitionSpec(None, None, "tensor", None)))
+        attend = jax.jit(
+            lambda q, kv: pa.ragged_attention(q, kv, layout, backend=backend, heads_axis="tensor")
+        )
+        out = attend(qs, kvs)
+        # The kernel runs per device (shard_map over the heads); the reference needs none.
+        assert ("shard_map" in str(jax.make_jaxpr(attend)(qs, kvs))) == (backend != "xla")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(base), atol=1e-5, rtol=1e-5)

@@ -107,6 +107,15 @@ def test_demo_defaults_to_one_slot():
     )
 
 
+def test_attention_choices_are_the_backends():
+    from dspark_jax.ops.paged_attention import ATTENTION_BACKENDS
+
+    for name in ATTENTION_BACKENDS:
+        assert serve.parse_args(["--attention", name]).attention == name
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--attention", "flash"])
+
+
 def test_serve_reports_warmup_then_exits_0_on_sigterm(tmp_path):
     """`python serve.py`: warm-up progress on stderr, /health 503 "starting" then 200, and
     a SIGTERM drain exits with status 0 (not 143)."""

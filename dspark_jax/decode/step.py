@@ -178,7 +178,8 @@ class StepConfig:
     # including the null page (None: every slot at max_len, ``pages.full_pool_pages``).
     page_size: int = 16
     num_pages: int | None = None
-    # Verify attention backend: auto (pallas_tpu on TPU, else xla), xla or pallas_tpu.
+    # Verify attention backend (ops.paged_attention.ATTENTION_BACKENDS): auto (pallas_tpu on
+    # TPU, pallas_gpu on GPU, else xla), xla, pallas_tpu or pallas_gpu.
     attention: str = "auto"
 
     def __post_init__(self):

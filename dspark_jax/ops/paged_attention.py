@@ -29,10 +29,16 @@ output is zero. Backends:
   batch (a while loop, online softmax in float32), so its cost follows the tokens in use,
   not ``max_len``; each query row gathers its own sequence's pages.
 * ``pallas_tpu``: ``jax.experimental.pallas.ops.tpu.ragged_paged_attention``, which reads
-  each sequence's pages once for all its query rows, only up to its length. Under tensor
-  parallelism it runs per device on its own KV heads (``shard_map``).
+  each sequence's pages once for all its query rows, only up to its length.
+* ``pallas_gpu``: our Pallas GPU (Triton) kernel (``ops.ragged_attention_gpu``): one
+  program per sequence and KV head reads the sequence's pages once for its query rows (a
+  block of rows × GQA group ≈ 64 queries: 16 rows for Qwen3's group of 4, more than a
+  verify row group), only up to its length. Off GPU it runs in Pallas interpret mode
+  (tests).
 
-``auto`` picks ``pallas_tpu`` on TPU and ``xla`` elsewhere (``resolve_backend``).
+Under tensor parallelism the kernels run per device on their own KV heads (``shard_map``).
+``auto`` picks ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU and ``xla`` elsewhere, each
+where it supports the head dimension (``resolve_backend``).
 
 Drafting (``block_attention``): the DSpark/DFlash drafter's context K/V live in pages of
 the same table and layout. A drafted block (bidirectional inside, seeing the context
@@ -53,7 +59,7 @@ from jax.sharding import PartitionSpec
 Array = jax.Array
 
 NULL_PAGE = 0
-ATTENTION_BACKENDS = ("auto", "xla", "pallas_tpu")
+ATTENTION_BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
 # The reference walks the cache in blocks of about this many positions per loop step.
 XLA_BLOCK_TOKENS = 256
 _MASKED = -1e30  # finite: a fully masked block must not produce NaNs in the online softmax
@@ -126,20 +132,39 @@ def tpu_kernel_problem(head_dim: int) -> str | None:
     return None
 
 
+def gpu_kernel_problem(head_dim: int) -> str | None:
+    """Why the GPU kernel cannot run this model, or None (Triton's block shapes are powers
+    of two, and its dot wants at least 16 along the contraction)."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return (
+            f"the GPU ragged attention kernel needs a power-of-two head_dim >= 16, got {head_dim}"
+        )
+    return None
+
+
+_KERNELS = {"pallas_tpu": ("tpu", tpu_kernel_problem), "pallas_gpu": ("gpu", gpu_kernel_problem)}
+
+
 def resolve_backend(name: str = "auto", platform: str | None = None, head_dim: int = 128) -> str:
     """The concrete attention backend for ``name`` on ``platform`` (default: the default
-    backend's platform) for a model with ``head_dim``: ``auto`` is the TPU kernel on TPU
-    when it supports the shape, else ``xla``."""
+    backend's platform) for a model with ``head_dim``: ``auto`` is the platform's kernel
+    (TPU or GPU) when it supports the shape, else ``xla``."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"Unknown attention backend {name!r}; allowed: {list(ATTENTION_BACKENDS)}")
-    problem = tpu_kernel_problem(head_dim)
-    if name == "pallas_tpu" and problem:
-        raise ValueError(f"attention backend 'pallas_tpu' cannot serve this model: {problem}")
+    if name in _KERNELS:
+        problem = _KERNELS[name][1](head_dim)
+        if problem:
+            raise ValueError(f"attention backend {name!r} cannot serve this model: {problem}")
+        return name
     if name != "auto":
         return name
     from dspark_jax.ops.flash_attention import current_platform
 
-    return "pallas_tpu" if current_platform(platform) == "tpu" and problem is None else "xla"
+    here = current_platform(platform)
+    for kernel, (kernel_platform, problem) in _KERNELS.items():
+        if here == kernel_platform and problem(head_dim) is None:
+            return kernel
+    return "xla"
 
 
 # ----------------------------------------------------------------------------------------
@@ -199,16 +224,24 @@ def ragged_attention(
     heads_axis: str | None = None,
     kv_pages_per_block: int | None = None,
     queries_per_block: int | None = None,
+    max_rows_per_sequence: int | None = None,
 ) -> Array:
     """Causal attention of query rows ``q [N, H, D]`` over their sequences' paged cache
     (module docstring). Returns ``[N, H, D]`` in ``q``'s dtype; padding rows give 0.
     ``heads_axis``: the mesh axis the heads (and the cache's K/V heads) are split over;
-    the TPU kernel then runs per device on its own heads."""
+    the kernels then run per device on their own heads. ``kv_pages_per_block`` /
+    ``queries_per_block``: the TPU kernel's blocks; ``max_rows_per_sequence``: a bound on
+    any sequence's query rows, which sizes the GPU kernel's row block (a drafted block is
+    one row per slot)."""
     if backend == "xla":
         return reference_ragged_attention(q, kv_flat, layout, layer_offset)
     if backend == "pallas_tpu":
         blocks = (kv_pages_per_block, queries_per_block)
         return _pallas_tpu(q, kv_flat, layout, layer_offset, _split_axis(heads_axis), *blocks)
+    if backend == "pallas_gpu":
+        return _pallas_gpu(
+            q, kv_flat, layout, layer_offset, _split_axis(heads_axis), max_rows_per_sequence
+        )
     raise ValueError(f"no attention backend {backend!r} (resolve 'auto' with resolve_backend)")
 
 
@@ -332,7 +365,7 @@ def block_attention(
     queries = max(1, default_tpu_blocks(page_table.shape[1], s)[1] // g)
     out = ragged_attention(
         folded.reshape(s, g * h, d), kv_flat, layout, layer_offset, backend,
-        heads_axis=heads_axis, queries_per_block=queries,
+        heads_axis=heads_axis, queries_per_block=queries, max_rows_per_sequence=1,
     )  # fmt: skip
     out = out.reshape(s, kv_heads, g, h // kv_heads, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(s, g, h, d), kv_flat
@@ -353,6 +386,26 @@ def default_tpu_blocks(pages_per_seq: int, num_rows: int) -> tuple[int, int]:
     return min(pages_per_seq, 128), min(num_rows, 32)
 
 
+def _per_device_heads(kernel, axis: str | None):
+    """``kernel(q, kv, *metadata)`` run per device on its own heads when ``axis`` splits
+    them (the kernels are per chip), else as is."""
+    if axis is None:
+        return kernel
+    heads = PartitionSpec(None, axis, None)
+    return jax.shard_map(
+        kernel,
+        in_specs=(heads, PartitionSpec(None, None, axis, None)) + (PartitionSpec(),) * 4,
+        out_specs=heads,
+        check_vma=False,
+    )
+
+
+def _num_seqs(layout: RaggedLayout) -> Array:
+    if layout.num_seqs is None:
+        return jnp.full((1,), layout.kv_lens.shape[0], jnp.int32)
+    return layout.num_seqs
+
+
 def _pallas_tpu(q, kv_flat, layout, layer_offset, axis, kv_pages_per_block, queries_per_block):
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
@@ -365,22 +418,38 @@ def _pallas_tpu(q, kv_flat, layout, layer_offset, axis, kv_pages_per_block, quer
         num_queries_per_block=queries_per_block or default_queries,
     )
     page_indices = (layout.page_table + layer_offset).astype(jnp.int32)
-    num_seqs = layout.num_seqs
-    if num_seqs is None:
-        num_seqs = jnp.full((1,), layout.kv_lens.shape[0], jnp.int32)
-    args = (q, kv_flat, layout.kv_lens, page_indices, layout.cu_q_lens, num_seqs)
-    if axis is not None:  # each device attends with its own heads (the kernel is per chip)
-        heads = PartitionSpec(None, axis, None)
-        kernel = jax.shard_map(
-            kernel,
-            in_specs=(heads, PartitionSpec(None, None, axis, None)) + (PartitionSpec(),) * 4,
-            out_specs=heads,
-            check_vma=False,
-        )
+    args = (q, kv_flat, layout.kv_lens, page_indices, layout.cu_q_lens, _num_seqs(layout))
+    kernel = _per_device_heads(kernel, axis)
     # The kernel's matmuls at the default (one-pass) precision: Mosaic rejects an fp32
     # contract precision on bf16 operands, which a global "highest" setting would request.
     with jax.default_matmul_precision("default"):
         out = kernel(*args)
+    real = _row_metadata(layout, n)[2]  # the kernel leaves padding rows unwritten
+    return jnp.where(real[:, None, None], out, 0).astype(q.dtype)
+
+
+def _pallas_gpu(q, kv_flat, layout, layer_offset, axis, max_rows_per_sequence):
+    from dspark_jax.ops.flash_attention import current_platform
+    from dspark_jax.ops.ragged_attention_gpu import (
+        default_gpu_blocks,
+        ragged_paged_attention_gpu,
+    )
+
+    n, h, d = q.shape
+    group = h // (kv_flat.shape[2] // 2)
+    rows, _ = default_gpu_blocks(group, kv_flat.shape[1], layout.page_table.shape[1])
+    if max_rows_per_sequence:
+        rows = min(rows, max_rows_per_sequence)
+
+    def kernel(q, kv, kv_lens, table, cu, num_seqs):
+        return ragged_paged_attention_gpu(
+            q, kv, cu, kv_lens, table, num_seqs, rows_per_block=rows,
+            interpret=current_platform() != "gpu",
+        )  # fmt: skip
+
+    page_indices = (layout.page_table + layer_offset).astype(jnp.int32)
+    args = (q, kv_flat, layout.kv_lens, page_indices, layout.cu_q_lens, _num_seqs(layout))
+    out = _per_device_heads(kernel, axis)(*args)
     real = _row_metadata(layout, n)[2]  # the kernel leaves padding rows unwritten
     return jnp.where(real[:, None, None], out, 0).astype(q.dtype)
 
@@ -391,6 +460,7 @@ __all__ = [
     "PagedKVCache",
     "RaggedLayout",
     "block_attention",
+    "gpu_kernel_problem",
     "init_paged_cache",
     "layout_for_rows",
     "page_locations",

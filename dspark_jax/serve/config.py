@@ -38,8 +38,9 @@ class EngineConfig:
       each admitted request reserves the pages of its prompt + ``max_tokens``; a request
       that does not fit yet waits in the queue (``/metrics``: ``dspark_kv_pages_*``,
       ``dspark_requests_waiting_for_pages``).
-    attention: the verify attention backend: ``auto`` (``pallas_tpu`` on TPU, else
-      ``xla``), ``xla`` or ``pallas_tpu`` (logged at start and in ``/metrics``).
+    attention: the verify attention backend: ``auto`` (``pallas_tpu`` on TPU,
+      ``pallas_gpu`` on GPU, else ``xla``), ``xla``, ``pallas_tpu`` or ``pallas_gpu``
+      (logged at start and in ``/metrics``).
     """
 
     num_slots: int = 8
