@@ -17,29 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-
-def _final_eval(workdir: str) -> dict:
-    from dspark_jax.train.trainer import read_metrics
-
-    evals = [m for m in read_metrics(workdir) if m.get("kind") == "eval"]
-    if not evals:
-        raise RuntimeError(f"{workdir}: the run logged no evaluation")
-    return evals[-1]
-
-
-def _train_wall_s(workdir: str) -> float | None:
-    path = os.path.join(workdir, "wall_s.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            return json.load(f)["wall_s"]
-    return None
+from drafter_runs import ROOT, train_point
 
 
 def run(args) -> dict:
@@ -51,29 +31,16 @@ def run(args) -> dict:
     points = []
     for n in args.records:
         workdir = os.path.join(args.workdir, str(n))
-        cmd = [
-            sys.executable, os.path.join(ROOT, "train.py"), "--config", args.config,
-            "--workdir", workdir, "--no-progress",
-            f"--config.data.max_train_records={n}",
-            f"--config.train.eval_batches={args.eval_batches}",
-        ]  # fmt: skip
-        t0 = time.perf_counter()
-        print("+", " ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True, cwd=ROOT)
-        if _train_wall_s(workdir) is None:  # first completion: keep its wall time
-            with open(os.path.join(workdir, "wall_s.json"), "w") as f:
-                json.dump({"wall_s": round(time.perf_counter() - t0, 1)}, f)
-        ev = _final_eval(workdir)
+        point = train_point(
+            args.config, workdir,
+            [f"data.max_train_records={n}", f"train.eval_batches={args.eval_batches}"],
+        )  # fmt: skip
         points.append(
             {
                 "train_records": n,
-                "step": ev["step"],
-                "epochs": round(ev["step"] * cfg.data.batch_size / n, 2),
-                "heldout_tau_tf": ev["heldout_tau_tf"],
-                "heldout_accept_mean": ev["heldout_accept_mean"],
-                "heldout_loss": ev["heldout_loss"],
-                "heldout_label_positions": ev["heldout_label_positions"],
-                "wall_s": _train_wall_s(workdir),
+                "step": point["step"],
+                "epochs": round(point["step"] * cfg.data.batch_size / n, 2),
+                **{k: v for k, v in point.items() if k != "step"},
             }
         )
         print(json.dumps(points[-1]), flush=True)

@@ -61,6 +61,13 @@ def export_drafter(workdir: str, out: str, step: int | None = None, dtype: str =
     dc = task.drafter_config
     tcfg = tcfg.replace(dtype="float32", param_dtype="float32", remat="none")
     fingerprint = meta.get("target_fingerprint")
+    # A calibration belongs to the weights it was fitted on: re-exporting over a drafter
+    # directory drops its sts.json (and label arrays) rather than keep a stale fit.
+    from dspark_jax.models.drafter_io import sts_data_path, sts_path
+
+    stale = [p for p in (sts_path(out), sts_data_path(sts_path(out))) if p.is_file()]
+    for p in stale:
+        p.unlink()
     written = save_drafter(out, dc, tcfg, params, dtype=dtype, target_fingerprint=fingerprint)
     evals = [m for m in read_metrics(workdir) if m.get("kind") == "eval" and m["step"] <= step]
     last = evals[-1] if evals else {}
@@ -116,7 +123,8 @@ def export_drafter(workdir: str, out: str, step: int | None = None, dtype: str =
         f.write("\n".join(lines) + "\n")
     written.append(os.path.join(out, CARD_NAME))
     return {"step": step, "out": os.path.abspath(out), "dtype": dtype, "files": written,
-            "kind": dc.kind, "parameters": card["parameters"]}  # fmt: skip
+            "kind": dc.kind, "parameters": card["parameters"],
+            "removed_stale_calibration": [str(p) for p in stale]}  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -332,6 +332,13 @@ def test_export_writes_loadable_drafter_with_card(env, dspark_run, tmp_path):
         jax.device_get(trained),
         params,
     )
+    # Re-exporting over the directory drops a calibration fitted on the earlier weights.
+    bundled = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "drafters")
+    for name in ("sts.json", "sts_data.npz"):
+        shutil.copy(os.path.join(bundled, "dspark", name), out)
+    assert export_main(["--workdir", work, "--out", out, "--dtype", "float32"]) == 0
+    for name in ("sts.json", "sts_data.npz"):
+        assert not os.path.exists(os.path.join(out, name)), name
     assert export_main(["--workdir", work, "--out", str(tmp_path / "o2"),
                         "--dtype", "bfloat16"]) == 0  # fmt: skip
     assert export_main(["--workdir", work, "--out", str(tmp_path / "o3"),

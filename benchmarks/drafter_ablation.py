@@ -1,0 +1,123 @@
+"""What moves DSpark against EAGLE-3: controlled drafter training runs (issue 14).
+
+    python benchmarks/drafter_ablation.py [--runs NAME ...] [--eval-batches 16]
+
+Each factor is one change to the bundled recipe (``dspark_jax/train/bundled.py``: same
+target, distilled data, batch, optimiser and schedule) applied to the DSpark (Markov) arm,
+and to the EAGLE-3 arm where the factor exists for it, with everything else held. A factor
+is read as the ratio of held-out teacher-forced τ_tf (T = 1, the same held-out batches for
+every run) of its DSpark run over its EAGLE-3 run, beside the bundled ratio. Runs go to
+``workdirs/<name>`` (the bundled arms reuse ``scripts/build_bundled_models.sh``'s
+``workdirs/drafter_<arm>``), resume if killed (re-run the command) and are trained once
+even when several factors read them. The result file is rewritten after every run, so a
+partial sweep is readable. Writes ``benchmarks/results/drafter_ablation.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from drafter_runs import ROOT, train_point
+
+DSPARK = "configs/drafter_dspark.py"
+EAGLE3 = "configs/drafter_eagle3.py"
+
+# name -> (config, overrides, workdir under workdirs/)
+RUNS = {
+    "dspark": (DSPARK, [], "drafter_dspark"),
+    "dspark_rnn": ("configs/drafter_dspark_rnn.py", [], "drafter_dspark_rnn"),
+    "dflash": ("configs/drafter_dflash.py", [], "drafter_dflash"),
+    "eagle3": (EAGLE3, [], "drafter_eagle3"),
+    "mtp1": ("configs/drafter_mtp1.py", [], "drafter_mtp1"),
+    # Equal steps: every arm BUNDLED_STEPS (400), EAGLE-3 then gets 1.9x DSpark's FLOPs.
+    "eagle3_steps": (EAGLE3 + ":steps", [], "ablation/eagle3_steps"),
+    # Twice the compute budget for both arms.
+    "dspark_2x": (DSPARK, ["train.steps=800"], "ablation/dspark_2x"),
+    "eagle3_2x": (EAGLE3, ["train.steps=420"], "ablation/eagle3_2x"),
+    # A quarter of the distilled data (768 of 3072 prompts), same steps.
+    "dspark_768": (DSPARK, ["data.max_train_records=768"], "ablation/dspark_768"),
+    "eagle3_768": (EAGLE3, ["data.max_train_records=768"], "ablation/eagle3_768"),
+    # DeepSpec's released draft depth (5 layers), same steps (more FLOPs per step).
+    "dspark_l5": (DSPARK, ["drafter.num_layers=5"], "ablation/dspark_l5"),
+    "dflash_l5": ("configs/drafter_dflash.py", ["drafter.num_layers=5"], "ablation/dflash_l5"),
+    # Block size γ = 4 for both arms (EAGLE-3's training-time test unrolls 4 steps).
+    "dspark_g4": (DSPARK, ["drafter.gamma=4"], "ablation/dspark_g4"),
+    "eagle3_g4": (EAGLE3, ["drafter.gamma=4"], "ablation/eagle3_g4"),
+    # Markov rank 64 instead of 256.
+    "dspark_r64": (DSPARK, ["drafter.markov_rank=64"], "ablation/dspark_r64"),
+    # Position decay 7 (= γ, as the paper writes it) instead of DeepSpec's released 4.0.
+    "dspark_decay7": (DSPARK, ["loss.decay=7.0"], "ablation/dspark_decay7"),
+}
+
+# (factor, DSpark run, EAGLE-3 run)
+FACTORS = [
+    ("bundled recipe (equal compute)", "dspark", "eagle3"),
+    ("equal steps (400 each; EAGLE-3 1.9x FLOPs)", "dspark", "eagle3_steps"),
+    ("training length: 2x compute", "dspark_2x", "eagle3_2x"),
+    ("data size: 768 prompts", "dspark_768", "eagle3_768"),
+    ("draft depth: 5 layers (DSpark only)", "dspark_l5", "eagle3"),
+    ("block size: gamma = 4", "dspark_g4", "eagle3_g4"),
+    ("Markov rank 64 (DSpark only)", "dspark_r64", "eagle3"),
+    ("loss decay 7 = gamma (DSpark only)", "dspark_decay7", "eagle3"),
+    ("RNN head instead of Markov", "dspark_rnn", "eagle3"),
+]
+
+
+def _result(args, points: dict) -> dict:
+    factors = []
+    for name, ds, e3 in FACTORS:
+        row = {"factor": name, "dspark_run": ds, "eagle3_run": e3}
+        if ds in points and e3 in points:
+            row["dspark_tau_tf"] = points[ds]["heldout_tau_tf"]
+            row["eagle3_tau_tf"] = points[e3]["heldout_tau_tf"]
+            row["ratio"] = row["dspark_tau_tf"] / row["eagle3_tau_tf"]
+        factors.append(row)
+    return {
+        "command": " ".join(["python benchmarks/drafter_ablation.py", *sys.argv[1:]]),
+        "eval_batches": args.eval_batches,
+        "runs": {
+            name: {"config": RUNS[name][0], "overrides": RUNS[name][1], **points[name]}
+            for name in RUNS
+            if name in points
+        },
+        "factors": factors,
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
+    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--workdir", default=os.path.join(ROOT, "workdirs"))
+    p.add_argument(
+        "--out", default=os.path.join(ROOT, "benchmarks", "results", "drafter_ablation.json")
+    )
+    args = p.parse_args(argv)
+    from dspark_jax.perf.results import write_result
+
+    points = {}
+    if os.path.isfile(args.out):  # keep runs measured by an earlier (partial) call
+        with open(args.out) as f:
+            earlier = json.load(f).get("runs", {})
+        skip = ("config", "overrides")
+        points = {
+            name: {k: v for k, v in run.items() if k not in skip}
+            for name, run in earlier.items()
+            if name in RUNS
+        }
+    for name in args.runs:
+        config, overrides, workdir = RUNS[name]
+        points[name] = train_point(
+            config,
+            os.path.join(args.workdir, workdir),
+            [*overrides, f"train.eval_batches={args.eval_batches}"],
+        )
+        write_result(args.out, _result(args, points))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

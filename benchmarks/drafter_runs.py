@@ -1,0 +1,58 @@
+"""One drafter training run as a benchmark point: ``train.py`` in a subprocess (it resumes
+a killed run when called again), then the run's final held-out evaluation. Shared by
+``drafter_data_curve.py`` and ``drafter_ablation.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def final_eval(workdir: str) -> dict:
+    from dspark_jax.train.trainer import read_metrics
+
+    evals = [m for m in read_metrics(workdir) if m.get("kind") == "eval"]
+    if not evals:
+        raise RuntimeError(f"{workdir}: the run logged no evaluation")
+    return evals[-1]
+
+
+def train_wall_s(workdir: str) -> float | None:
+    """Wall seconds of the run's first completion (a resumed run's later calls do not
+    overwrite it; a run resumed after a kill records only its last part)."""
+    path = os.path.join(workdir, "wall_s.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)["wall_s"]
+    return None
+
+
+def train_point(config: str, workdir: str, overrides: list[str] = ()) -> dict:
+    """Train ``config`` (``path[:arg]``) with ``--config.KEY=VALUE`` ``overrides`` into
+    ``workdir`` and return its final held-out evaluation with the wall time."""
+    cmd = [
+        sys.executable, os.path.join(ROOT, "train.py"), "--config", config,
+        "--workdir", workdir, "--no-progress", *[f"--config.{o}" for o in overrides],
+    ]  # fmt: skip
+    print("+", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    if train_wall_s(workdir) is None:
+        with open(os.path.join(workdir, "wall_s.json"), "w") as f:
+            json.dump({"wall_s": round(time.perf_counter() - t0, 1)}, f)
+    ev = final_eval(workdir)
+    return {
+        "step": ev["step"],
+        "heldout_tau_tf": ev["heldout_tau_tf"],
+        "heldout_accept_mean": ev["heldout_accept_mean"],
+        "heldout_loss": ev["heldout_loss"],
+        "heldout_label_positions": ev["heldout_label_positions"],
+        "wall_s": train_wall_s(workdir),
+    }
