@@ -76,6 +76,7 @@ def run(args) -> dict:
     from dspark_jax.decode.policy import default_buckets
     from dspark_jax.models.drafter_config import DrafterConfig
     from dspark_jax.models.presets import get_preset
+    from dspark_jax.perf import hlo_bytes
     from dspark_jax.perf import roofline as rl
     from dspark_jax.train import aot
 
@@ -175,6 +176,8 @@ def run(args) -> dict:
             "while_loops": rl.while_loops(hlo),
             "peak_memory_bytes": report["memory"]["peak_bytes"],
             "top_bytes": rl.bytes_by_op(hlo, top=8),
+            # XLA's bytes re-derived per instruction, by the name scope that emitted it.
+            "bytes_by_scope": hlo_bytes.bytes_by_scope(hlo, depth=SCOPE_DEPTH, top=40),
             "compile_s": round(time.perf_counter() - t0, 1),
         }  # fmt: skip
         rows.append(row)
@@ -202,6 +205,43 @@ def run(args) -> dict:
         "command": "python benchmarks/roofline.py " + " ".join(sys.argv[1:]),
         "rows": rows,
     }
+
+
+# Name-scope components kept when summing bytes by scope: jit(_round_impl)/Module.method/
+# .../layer/<sublayer>/<op> (e.g. Qwen3.decode/layers/closed_call/layer/mlp/up_proj).
+SCOPE_DEPTH = 7
+
+
+def _short_scope(scope: str) -> str:
+    return scope.removeprefix("jit(_round_impl)/").replace("/layers/closed_call/layer/", "/layer/")
+
+
+def scope_lines(res: dict, top: int = 12) -> list[str]:
+    """The largest name scopes by XLA bytes at B = R and at the largest bucket, and which
+    scopes the extra rows' bytes go to."""
+    first, last = res["rows"][0], res["rows"][-1]
+    if "bytes_by_scope" not in first or first is last:
+        return []
+    a, b = first["bytes_by_scope"], last["bytes_by_scope"]
+    scopes = set(a["by_scope"]) | set(b["by_scope"])
+    rows = sorted(scopes, key=lambda s: -(b["by_scope"].get(s, 0) - a["by_scope"].get(s, 0)))[:top]
+    lines = [
+        "",
+        f"XLA's bytes by name scope (`perf.hlo_bytes`: per instruction, slices and in-place "
+        f"updates counted as XLA does; its total is {a['total'] / 1e9:.2f} GB at B = "
+        f"{first['B']} and {b['total'] / 1e9:.2f} GB at B = {last['B']}, against XLA's "
+        f"{first['xla_bytes'] / 1e9:.2f} and {last['xla_bytes'] / 1e9:.2f}), the scopes "
+        f"that grow most from B = {first['B']} to B = {last['B']} (GB):",
+        "",
+        f"| scope | B = {first['B']} | B = {last['B']} | growth |",
+        "|---|---|---|---|",
+    ]
+    for s in rows:
+        x, y = a["by_scope"].get(s, 0), b["by_scope"].get(s, 0)
+        lines.append(
+            f"| `{_short_scope(s)}` | {x / 1e9:.3f} | {y / 1e9:.3f} | {(y - x) / 1e9:.3f} |"
+        )
+    return lines
 
 
 def markdown(res: dict) -> str:
@@ -256,6 +296,7 @@ def markdown(res: dict) -> str:
     lines += ["", "Largest single instructions:", ""]
     for e in last["top_bytes"]["largest"][:6]:
         lines.append(f"- {e['bytes'] / 1e9:.2f} GB `{e['opcode']}` {e['op_name'][:120]}")
+    lines += scope_lines(res)
     lines += [
         "",
         "Loops left: while loops still in the program (the drafter's γ-step sequential-head "
