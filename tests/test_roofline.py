@@ -97,3 +97,25 @@ def test_bytes_by_scope_matches_xla_and_counts_slices_not_buffers():
     assert got["by_scope"]["jit(step)/read"] <= 2 * rows_bytes + 64
     assert got["by_scope"]["jit(step)/write"] <= 2 * rows_bytes + 64
     assert got["by_scope"]["jit(step)/mm"] >= 1024 * 1024 * 4  # the weight, read once
+
+
+def test_verify_cost_benchmark_runs_with_chosen_budgets(tmp_path):
+    """benchmarks/verify_cost.py end to end on a tiny model with the options an
+    accelerator run uses (chosen budgets, a dtype, the attention backend, no feature-draft
+    comparison): its round times, anatomy and SPS table are written."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import verify_cost
+
+    out = str(tmp_path / "vc.json")
+    res = verify_cost.main([
+        "--preset", "tiny", "--slots", "2", "--gamma", "3", "--max-len", "64",
+        "--budgets", "0,3", "--dtype", "float32", "--attention", "xla",
+        "--no-feature-draft", "--repeats", "1", "--out", out,
+    ])  # fmt: skip
+    assert set(res["round_seconds_by_B"]) == {"2", "5", "8"}  # B = R + K for K = 0, 3, R·γ
+    assert res["attention"] == "xla" and res["draft_seconds"]["features_reprojected"] is None
+    assert json.load(open(out))["sps_table"] and open(out[:-5] + ".md").read()
