@@ -11,6 +11,14 @@ every run) of its DSpark run over its EAGLE-3 run, beside the bundled ratio. Run
 ``workdirs/drafter_<arm>``), resume if killed (re-run the command) and are trained once
 even when several factors read them. The result file is rewritten after every run, so a
 partial sweep is readable. Writes ``benchmarks/results/drafter_ablation.json``.
+
+The target-strength factor trains both arms against the first bundled target
+(``assets/target_v1``, 0.22 epochs) on its own self-distillation data, made first with the
+bundled data's command:
+
+    python -m dspark_jax.data.distill --target assets/target_v1 --corpus-dir data/stdlib \
+        --out-dir data/distill_v1 --prompt-len 128 --max-new-tokens 256 --max-prompts 3072 \
+        --batch-size 32 --temperature 1.0 --seed 0
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from drafter_runs import ROOT, train_point
 
 DSPARK = "configs/drafter_dspark.py"
 EAGLE3 = "configs/drafter_eagle3.py"
+
+_V1 = ["target.dir=assets/target_v1", "data.data_dir=data/distill_v1"]
 
 # name -> (config, overrides, workdir under workdirs/)
 RUNS = {
@@ -50,6 +60,9 @@ RUNS = {
     "dspark_r64": (DSPARK, ["drafter.markov_rank=64"], "ablation/dspark_r64"),
     # Position decay 7 (= γ, as the paper writes it) instead of DeepSpec's released 4.0.
     "dspark_decay7": (DSPARK, ["loss.decay=7.0"], "ablation/dspark_decay7"),
+    # The weaker first target, on data distilled from it (module docstring).
+    "dspark_v1": (DSPARK, _V1, "ablation/dspark_v1"),
+    "eagle3_v1": (EAGLE3, _V1, "ablation/eagle3_v1"),
 }
 
 # (factor, DSpark run, EAGLE-3 run)
@@ -63,6 +76,7 @@ FACTORS = [
     ("Markov rank 64 (DSpark only)", "dspark_r64", "eagle3"),
     ("loss decay 7 = gamma (DSpark only)", "dspark_decay7", "eagle3"),
     ("RNN head instead of Markov", "dspark_rnn", "eagle3"),
+    ("target: v1 (0.22 epochs, held-out loss 5.11)", "dspark_v1", "eagle3_v1"),
 ]
 
 

@@ -1,6 +1,6 @@
-"""The bundled target (assets/target) and its longer-trained successor (assets/target_v2)
-load everywhere and match their model cards; the bundled drafters record the bundled
-target's weights and refuse any other, the successor included."""
+"""The bundled target (assets/target, v2) and the first bundled target it replaced
+(assets/target_v1) load everywhere and match their model cards; the bundled drafters record
+the bundled target's weights and refuse any other, the old target included."""
 
 import json
 import pathlib
@@ -16,9 +16,9 @@ from dspark_jax.eval.lm import heldout_loss
 from dspark_jax.tokenizer import Tokenizer
 
 TARGET = pathlib.Path(__file__).resolve().parents[1] / "assets" / "target"
-TARGET_V2 = TARGET.parent / "target_v2"
+TARGET_V1 = TARGET.parent / "target_v1"
 ROOT = TARGET.parents[1]
-TARGETS = [TARGET, TARGET_V2]
+TARGETS = [TARGET, TARGET_V1]
 DRAFTERS = sorted((TARGET.parent / "drafters").glob("*/drafter_config.json"))
 
 
@@ -58,7 +58,7 @@ def test_bundled_target_loads_in_transformers():
 
 def test_bundled_target_heldout_loss_matches_card(tmp_path):
     """Re-prepare the stdlib held-out split and recompute both cards' held-out loss; the
-    longer-trained target is better by a margin, not by noise."""
+    bundled (longer-trained) target is better than the old one by a margin, not by noise."""
     prepare_corpus("source_tree", None, str(tmp_path / "stdlib"))
     losses = {}
     for target in TARGETS:
@@ -66,22 +66,22 @@ def test_bundled_target_heldout_loss_matches_card(tmp_path):
         expected = _card_value("Held-out loss", target)
         assert abs(result["heldout_loss"] - expected) <= 0.01 * expected, (target, result)
         losses[target.name] = result["heldout_loss"]
-    assert losses["target_v2"] < losses["target"] - 0.3, losses
+    assert losses["target"] < losses["target_v1"] - 0.3, losses
 
 
-def test_target_v2_greedy_loop_share_matches_card():
+def test_target_greedy_loop_share_matches_card():
     """The card's share of HumanEval / MBPP greedy continuations that end in a loop."""
     from dspark_jax.convert.loading import load_target
     from dspark_jax.eval.lm import greedy_loop_share
 
-    card = (TARGET_V2 / "README.md").read_text()
+    card = (TARGET / "README.md").read_text()
     row = re.search(r"ending in a loop \|\s*humaneval (\d+) % of 24; mbpp (\d+) % of 24", card)
     assert row, "card has no loop-share row"
     sets = ROOT.parent / "shared" / "eval_datasets"  # the benchmark prompt sets
     if not (sets / "humaneval.jsonl").is_file():
         pytest.skip(f"benchmark prompt sets not present at {sets}")
     got = greedy_loop_share(
-        load_target(TARGET_V2, dtype="float32"),
+        load_target(TARGET, dtype="float32"),
         [str(sets / "humaneval.jsonl"), str(sets / "mbpp.jsonl")], 64, 24,
     )["sets"]  # fmt: skip
     assert round(100 * got["humaneval"]["loop_share"]) == int(row.group(1)), got
@@ -111,9 +111,9 @@ def test_bundled_drafters_record_the_bundled_target_and_refuse_another(tmp_path)
     target = load_target(str(TARGET))
     card = (TARGET / "README.md").read_text()
     assert f"`{target.fingerprint}`" in card  # the model card's fingerprint row
-    v2 = load_target(str(TARGET_V2))
-    assert f"`{v2.fingerprint}`" in (TARGET_V2 / "README.md").read_text()
-    assert v2.config == target.config and v2.fingerprint != target.fingerprint
+    v1 = load_target(str(TARGET_V1))
+    assert f"`{v1.fingerprint}`" in (TARGET_V1 / "README.md").read_text()
+    assert v1.config == target.config and v1.fingerprint != target.fingerprint
     assert len(DRAFTERS) == 5
     for path in DRAFTERS:
         assert json.loads(path.read_text())["target"]["weights"] == target.fingerprint, path
@@ -127,6 +127,6 @@ def test_bundled_drafters_record_the_bundled_target_and_refuse_another(tmp_path)
     shutil.copy(TARGET / "tokenizer.json", tmp_path)
     other = load_target(tmp_path)
     for path in DRAFTERS:
-        for wrong in (other, v2):
+        for wrong in (other, v1):
             with pytest.raises(ValueError, match="trained against other target weights"):
                 load_drafter_dir(path.parent, wrong)
