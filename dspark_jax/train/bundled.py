@@ -21,8 +21,9 @@ from dspark_jax.config import update_config
 from dspark_jax.train.drafter_schema import drafter_default_config
 
 # 400 steps x 8 sequences x 384 tokens (128-token prompt + 256 generated) = 1.2M tokens,
-# about two epochs of the 1536 distilled training prompts. 100 steps (the first bundled
-# release) left every backbone close to its initialisation.
+# about one epoch of the 3072 distilled training prompts (the drafter-quality curve is flat
+# from 768 to 3072 prompts at this budget: benchmarks/drafter_data_curve.py). 100 steps
+# (the first bundled release) left every backbone close to its initialisation.
 BUNDLED_STEPS = 400
 
 # Optimiser schedule of the bundled target and drafters. DeepSpec uses lr 6e-4 for long
