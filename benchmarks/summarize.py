@@ -82,10 +82,10 @@ def acceptance_section(
         "",
         f"Paper (Qwen3, T = 1): DSpark/DFlash {PAPER_DFLASH}, DSpark/EAGLE-3 {PAPER_EAGLE}.",
         "",
-        "Read T = 0 with care: the bundled target's greedy continuations fall into short loops "
-        "(e.g. `' #', ' '` repeated), so a greedy τ mostly says whether a drafter's argmax "
-        "happens to land on the loop (τ → γ+1) or not (τ → 1); T = 1 is the comparison that "
-        "matches the paper's.",
+        "Read T = 0 with care: most of the bundled target's greedy continuations end in short "
+        "loops (the share per set is below), so a greedy τ mostly says whether a drafter's "
+        "argmax happens to land on the loop (τ → γ+1) or not (τ → 1); T = 1 is the comparison "
+        "that matches the paper's.",
         "",
         *_greedy_honesty(rows, drafters, sets),
         "Position-wise conditional acceptance P(accept k | accepted k−1), T = 1:",
