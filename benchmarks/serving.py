@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import re
@@ -227,6 +228,12 @@ def plot(results, out_dir):
         plt.close(fig)
 
 
+def write_results(results: dict, out_dir: str, fname: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, fname), "w") as f:
+        json.dump(results, f, indent=1)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--target", default=os.path.join(HERE, "..", "assets", "target"))
@@ -262,6 +269,8 @@ def main(argv=None) -> int:
             if not os.path.isdir(path):
                 raise SystemExit(f"{path} not found: pass --target/--drafter or use --quick")
 
+    import jax
+
     from dspark_jax.serve.engine import Engine, EngineConfig
     from dspark_jax.serve.server import BackgroundServer, create_app
 
@@ -277,8 +286,13 @@ def main(argv=None) -> int:
         "requests_per_client": per_client,
         "arms": {},
     }
+    fname = f"{results_stem(q, args.temperature)}.json"
     for name, scheduler, loader in build_arms(args):
         target, tp, tok, drafter, dp, sts = loader()
+        if not q:  # which target weights these figures belong to (summarize checks it)
+            from dspark_jax.models.fingerprint import weights_fingerprint
+
+            results["target_weights"] = weights_fingerprint(tp)
         if scheduler == "none":
             drafter = dp = None
         cfg = EngineConfig(
@@ -342,10 +356,13 @@ def main(argv=None) -> int:
         results["prompt_tokens"] = [len(tok.encode(x)) for x in fit]
         results.setdefault("compilations_after_warmup", {})[name] = engine.compilations_after_warmup
         results.setdefault("warmup_seconds", {})[name] = warm
-    os.makedirs(args.out, exist_ok=True)
-    fname = f"{results_stem(q, args.temperature)}.json"
-    with open(os.path.join(args.out, fname), "w") as f:
-        json.dump(results, f, indent=1)
+        # Written after every arm, so a crash keeps the arms already measured; and each
+        # engine's executables are dropped before the next arm compiles its own (six
+        # engines' worth of JIT code in one process ran out of mappable memory once).
+        write_results(results, args.out, fname)
+        del engine, server
+        jax.clear_caches()
+        gc.collect()
     plot(results, args.out)
     print(f"wrote {args.out}/{fname} and the PNGs next to it")
     return 0

@@ -581,6 +581,26 @@ def _serving_command(data: dict) -> str:
     return cmd
 
 
+def _bundled_target_weights() -> str | None:
+    """The bundled target's weights fingerprint, as its drafters record it."""
+    cfg = _load(ROOT / "assets" / "drafters" / "dspark" / "drafter_config.json")
+    return None if cfg is None else cfg.get("target", {}).get("weights")
+
+
+def _stale_models_note(data: dict) -> list[str]:
+    """A line saying so when a serving result was measured on other bundled models."""
+    today = _bundled_target_weights()
+    if data.get("quick") or today is None or data.get("target_weights") == today:
+        return []
+    was = data.get("target_weights")
+    which = f"target weights `{was}`" if was else "a run that recorded no target fingerprint"
+    return [
+        f"**Measured on earlier bundled models** ({which}; today's `assets/target` is "
+        f"`{today}`): the figures below are not today's models'; rerun the command above.",
+        "",
+    ]
+
+
 def _serving_table(name: str, data: dict) -> list[str]:
     quick = data.get("quick", False)
     temp = data.get("temperature", 0.0)
@@ -597,6 +617,7 @@ def _serving_table(name: str, data: dict) -> list[str]:
         _serving_command(data),
         "",
     ]
+    out += _stale_models_note(data)
     out += serving_table(data["arms"])
     shares = {
         arm: [r["timeline"]["host_share"] for r in rows if "timeline" in r]
