@@ -350,11 +350,12 @@ def main(argv=None) -> int:
             server.stop()
             engine.shutdown()
         results["arms"][name] = rows
+        # Read before cost_model, whose SPS profile compiles programs of its own.
+        results.setdefault("compilations_during_load", {})[name] = engine.compilations_after_warmup
         results.setdefault("cost_model", {})[name] = cost_model(
             engine, per_round_repeats=2 if q else 5
         )
         results["prompt_tokens"] = [len(tok.encode(x)) for x in fit]
-        results.setdefault("compilations_after_warmup", {})[name] = engine.compilations_after_warmup
         results.setdefault("warmup_seconds", {})[name] = warm
         # Written after every arm, so a crash keeps the arms already measured; and each
         # engine's executables are dropped before the next arm compiles its own (six

@@ -636,9 +636,10 @@ def _serving_table(name: str, data: dict) -> list[str]:
                 "the shape); in runs before its plan wait was booked as device wait, that "
                 "wait shows as dispatch time, hence its ~99 %."
             )
-    comp = data.get("compilations_after_warmup")
+    # Older files counted after the cost-model profile, which compiles its own programs.
+    comp = data.get("compilations_during_load")
     if comp is not None:
-        out += ["", f"Compilations after warm-up per arm: {comp}."]
+        out += ["", f"Compilations during the load levels (after warm-up), per arm: {comp}."]
     out += serving_goals(data["arms"])
     out.append("")
     return out
