@@ -474,10 +474,15 @@ class DecoderLayer(nn.Module):
         h = nn.with_logical_constraint(h, ACT_AXES)
 
         if taps is not None:
-            table = jnp.asarray(self.tap_index, jnp.int32)
-            slot = table[layer_idx]
-            idx = jnp.maximum(slot, 0)
-            taps = taps.at[idx].set(jnp.where(slot >= 0, h.astype(taps.dtype), taps[idx]))
+            slot = jnp.asarray(self.tap_index, jnp.int32)[layer_idx]
+            # Only tap layers touch the buffer. A select on every layer read and rewrote
+            # a [rows, hidden] slice of it per layer (36x per 8B round, growing with B).
+            taps = jax.lax.cond(
+                slot >= 0,
+                lambda t: t.at[jnp.maximum(slot, 0)].set(h.astype(t.dtype)),
+                lambda t: t,
+                taps,
+            )
         return (h, taps, layer_idx + 1, kv_flat), None
 
 
