@@ -802,7 +802,8 @@ def drafter_training_section() -> list[str]:
             )
         out += [
             "",
-            "Runs (config, overrides, steps, wall time on 2 CPU cores):",
+            "Runs (config, overrides, steps, wall time on 2 CPU cores shared with other "
+            "jobs, so wall times are not comparable across runs; the budget is FLOPs):",
             "",
             "| run | config | overrides | steps | τ_tf | mean α | wall s |",
             "|---|---|---|---|---|---|---|",
