@@ -228,12 +228,6 @@ def plot(results, out_dir):
         plt.close(fig)
 
 
-def write_results(results: dict, out_dir: str, fname: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, fname), "w") as f:
-        json.dump(results, f, indent=1)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--target", default=os.path.join(HERE, "..", "assets", "target"))
@@ -271,6 +265,8 @@ def main(argv=None) -> int:
 
     import jax
 
+    from dspark_jax.models.fingerprint import weights_fingerprint
+    from dspark_jax.perf.results import write_result
     from dspark_jax.serve.engine import Engine, EngineConfig
     from dspark_jax.serve.server import BackgroundServer, create_app
 
@@ -289,9 +285,7 @@ def main(argv=None) -> int:
     fname = f"{results_stem(q, args.temperature)}.json"
     for name, scheduler, loader in build_arms(args):
         target, tp, tok, drafter, dp, sts = loader()
-        if not q:  # which target weights these figures belong to (summarize checks it)
-            from dspark_jax.models.fingerprint import weights_fingerprint
-
+        if not q and "target_weights" not in results:  # summarize checks which models
             results["target_weights"] = weights_fingerprint(tp)
         if scheduler == "none":
             drafter = dp = None
@@ -360,7 +354,7 @@ def main(argv=None) -> int:
         # Written after every arm, so a crash keeps the arms already measured; and each
         # engine's executables are dropped before the next arm compiles its own (six
         # engines' worth of JIT code in one process ran out of mappable memory once).
-        write_results(results, args.out, fname)
+        write_result(os.path.join(args.out, fname), results, indent=1)
         del engine, server
         jax.clear_caches()
         gc.collect()

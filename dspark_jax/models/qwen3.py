@@ -479,7 +479,7 @@ class DecoderLayer(nn.Module):
             # a [rows, hidden] slice of it per layer (36x per 8B round, growing with B).
             taps = jax.lax.cond(
                 slot >= 0,
-                lambda t: t.at[jnp.maximum(slot, 0)].set(h.astype(t.dtype)),
+                lambda t: t.at[slot].set(h.astype(t.dtype)),
                 lambda t: t,
                 taps,
             )
