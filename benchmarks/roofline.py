@@ -119,12 +119,15 @@ def run(args) -> dict:
         cost = rl.cost_of(compiled)
         hlo = compiled.as_text()
         # The Pallas attention kernel is opaque to XLA's cost analysis: add its model. Its
-        # calls: one per target layer (verify) and, for DSpark/DFlash, one per draft layer
-        # (the block over the paged context, γ queries folded into each slot's row).
+        # calls: one per target layer (verify) and the drafter's over its paged context:
+        # DSpark/DFlash one per draft layer (the block, γ queries folded into each slot's
+        # row); EAGLE-3/MTP-1 one per draft step (one query per slot).
         calls = rl.ragged_attention_calls(hlo)
-        draft_calls = 0
-        if calls and drafter is not None and drafter.kv_context:
+        draft_calls, draft_queries = 0, gamma
+        if calls and drafter is not None:
             draft_calls = drafter.resolved_num_layers
+            if drafter.next_token_states:
+                draft_calls, draft_queries = drafter.draft_len, 1
         if calls and calls - draft_calls != target.num_hidden_layers:
             raise RuntimeError(
                 f"expected {target.num_hidden_layers} verify + {draft_calls} draft kernel "
@@ -136,7 +139,7 @@ def run(args) -> dict:
         )  # fmt: skip
         draft_kernel = rl.kernel_attention_cost(
             target, slots=args.slots, rows=args.slots, context_len=context_len + gamma,
-            page_size=report["page_size"], tensor=args.tensor, queries_per_row=gamma,
+            page_size=report["page_size"], tensor=args.tensor, queries_per_row=draft_queries,
         )  # fmt: skip
         xla_cost = dict(cost)
         modelled = {

@@ -112,11 +112,23 @@ def test_mesh_whose_axes_split_a_torus_axis():
     assert len({d.id for d in mesh.devices.flat}) == 16
 
 
+# kind -> (drafter config, kernel calls of its draft over the paged context)
+_KERNEL_DRAFTERS = {
+    "dspark": (dict(kind="dspark", gamma=3, num_layers=1, markov_rank=16, mask_token_id=1), 1),
+    # the first query reads the pages (the slot's last state), then chain steps 1 and 2
+    "eagle3": (dict(kind="eagle3", gamma=3, num_layers=1), 3),
+    "mtp1": (dict(kind="mtp1", gamma=1, num_layers=1), 1),
+}
+
+
 @needs_libtpu
-def test_tpu_kernel_lowers_inside_the_serving_round():
+@pytest.mark.parametrize("kind", list(_KERNEL_DRAFTERS))
+def test_tpu_kernel_lowers_inside_the_serving_round(kind):
     """XLA:TPU compiles the decode round with the Pallas ragged-paged-attention kernel
     (in the layer scan, split over the tensor axis) for a model with head_dim 128, and the
-    draft layer's block over the paged drafter context on the same kernel."""
+    drafter's attention over its paged context on the same kernel: DSpark's block per draft
+    layer, EAGLE-3's and MTP-1's one query per draft step (none re-runs its layer over the
+    whole context)."""
     from dspark_jax.models.drafter_config import DrafterConfig
     from dspark_jax.models.presets import get_preset
 
@@ -124,7 +136,8 @@ def test_tpu_kernel_lowers_inside_the_serving_round():
     tgt = get_preset("tiny").replace(
         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=128
     )
-    dc = DrafterConfig(kind="dspark", gamma=3, num_layers=1, markov_rank=16, mask_token_id=1)
+    fields, draft_calls = _KERNEL_DRAFTERS[kind]
+    dc = DrafterConfig(**fields)
     report, compiled = aot.compile_serve_round(tgt, dc.resolve(tgt), mesh, slots=4, max_len=64)
     assert report["attention"] == "pallas_tpu" and report["compiler"] == "XLA:TPU"
     hlo = compiled.as_text()
@@ -132,8 +145,8 @@ def test_tpu_kernel_lowers_inside_the_serving_round():
     assert "ragged_paged_attention" in hlo
     from dspark_jax.perf.roofline import ragged_attention_calls
 
-    # One call in the target's layer-scan body (verify), one for the draft layer.
-    assert ragged_attention_calls(hlo) == 2
+    # One call in the target's layer-scan body (verify), and the drafter's.
+    assert ragged_attention_calls(hlo) == 1 + draft_calls
 
 
 @needs_libtpu

@@ -489,7 +489,7 @@ def test_inactive_slots_untouched_and_packed_rows(target):
     after = jax.tree.map(np.array, state)
     assert not np.array_equal(before.slot_keys[1], after.slot_keys[1])  # the active stream
     for s in (0, 2):
-        names = ("seq_len", "anchor", "remaining", "active", "ctx_tokens", "ctx_feats")
+        names = ("seq_len", "anchor", "remaining", "active", "ctx_query", "ctx_feats")
         for name in names + ("slot_keys",):  # idle slots' random streams do not advance
             b, a = getattr(before, name), getattr(after, name)
             if name == "ctx_feats" and dec.kv_cache:  # paged: the slot's own pages
@@ -581,37 +581,51 @@ def test_sts_calibration_applied_to_confidences(target):
         SpeculativeDecoder(model, params, drafter, dparams, cfg, sts_biases=np.zeros(g + 1))
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3", "mtp1"])
 def test_kv_cached_context_matches_feature_draft(target, kind):
-    """DSpark/DFlash keep per-slot drafter K/V rows (computed once per committed position).
-    After prefill and two rounds, the round's draft distributions equal the feature-based
-    ``draft`` run from scratch on the target's tap features of the committed sequence."""
+    """Every drafter keeps per-slot K/V rows in pages (computed once per committed
+    position; EAGLE-3/MTP-1 once the next token is committed, plus the last state). After
+    prefill and two rounds, the round's draft distributions equal the feature-based
+    ``draft`` run from scratch on the target's features and tokens of the committed
+    sequence (rebuilt from the prompts and the emitted tokens)."""
     model, params = target
     drafter, dparams = _drafter(kind)
     m = 32
     dec = SpeculativeDecoder(
         model, params, drafter, dparams, StepConfig(num_slots=2, max_len=m, sampling=True)
     )
-    assert dec.kv_cache and dec.feat_dim == 1 * 2 * CFG.num_key_value_heads * CFG.head_dim
-    state = _two_prompts_prefilled(dec, seed=3)
+    layers, two, kvh, hd = dec.ctx_shape[0], 2, CFG.num_key_value_heads, CFG.head_dim
+    assert dec.ctx_shape == (layers, dec.num_pages, dec.config.page_size, two * kvh, hd)
+    state = dec.init_state(seed=3)
+    prompts = [PROMPT, [5, 2, 8, 9, 4]]
+    ones = np.ones(2, np.float32)
+    state, first = dec.prefill(
+        state, np.arange(2), np.array([p + [0] * (8 - len(p)) for p in prompts]),
+        np.array([3, 5]), np.array([20, 20]), ones, np.zeros(2, np.int32), ones,
+    )  # fmt: skip
+    seqs = [list(p) + [int(first.first_token[r])] for r, p in enumerate(prompts)]
     for _ in range(2):
-        state, _ = dec.round(state)
+        state, out = dec.round(state)
+        for r in range(2):
+            seqs[r] += [int(x) for x in out.tokens[r, : int(out.num_emitted[r])]]
     state, plan = dec.plan(state)
 
     seq_len = np.asarray(state.seq_len)
-    toks = np.asarray(state.ctx_tokens)
-    feats = np.zeros((2, m, len(dec.taps) * CFG.hidden_size), np.float32)
+    toks = np.zeros((2, m), np.int32)
+    feats = np.zeros((2, m, drafter.config.feature_width(CFG)), np.float32)
     for r in range(2):
-        _, taps = model.apply(
+        assert len(seqs[r]) == seq_len[r] + 1 and seqs[r][-1] == int(state.anchor[r])
+        toks[r, : seq_len[r]] = seqs[r][: seq_len[r]]
+        hidden, taps = model.apply(
             {"params": params}, jnp.asarray(toks[r : r + 1, : seq_len[r]]), None, None,
             dec.taps, method="hidden_states",
         )  # fmt: skip
-        feats[r, : seq_len[r]] = np.asarray(dec._features(taps, None)[0])
+        feats[r, : seq_len[r]] = np.asarray(dec._features(taps, hidden)[0])
     _, draft_key, _ = split_keys(jax.random.wrap_key_data(state.slot_keys), 3)
     ref = drafter.apply(
-        {"params": dparams}, DraftContext(jnp.asarray(feats), state.seq_len), state.anchor,
-        draft_key, SamplingSettings(1.0, 0, 1.0), dec._embed_fn(params), dec._lm_head_fn(params),
-        method="draft",
+        {"params": dparams}, DraftContext(jnp.asarray(feats), state.seq_len, jnp.asarray(toks)),
+        state.anchor, draft_key, SamplingSettings(1.0, 0, 1.0), dec._embed_fn(params),
+        dec._lm_head_fn(params), method="draft",
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(plan.draft_probs), np.asarray(ref.probs), atol=2e-5)
     np.testing.assert_array_equal(np.asarray(plan.draft_tokens), np.asarray(ref.tokens))
@@ -640,7 +654,7 @@ def test_batched_prefill_with_padding_rows_equals_one_at_a_time(target):
         )  # fmt: skip
         firsts.append(int(o.first_token[0]))
     assert [int(x) for x in out.first_token[:2]] == firsts
-    for name in ("seq_len", "anchor", "remaining", "active", "ctx_tokens"):
+    for name in ("seq_len", "anchor", "remaining", "active", "ctx_query"):
         np.testing.assert_array_equal(getattr(batched, name), getattr(single, name), err_msg=name)
     # Padding rows write only into the null page 0, which no slot reads (the drafter's
     # paged context K/V share the target's page table).

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.models.backbone import apply_lm_head
-from dspark_jax.models.draft_api import DraftContext, SamplingSettings
+from dspark_jax.models.draft_api import DraftContext, SamplingSettings, next_tokens
 from dspark_jax.models.drafter_config import DrafterConfig, default_taps, eagle3_default_taps
 from dspark_jax.models.drafters import feature_dim, init_drafter_params, make_drafter
 from dspark_jax.models.presets import PRESETS
@@ -216,22 +216,44 @@ def test_dspark_shapes_and_bad_input():
         _train_fn(d)(p, feats, valid, toks[:, :2], seq, anchor)
 
 
-def test_paged_context_drafts_like_features_and_writes_only_its_block():
+_PAGED_KINDS = {
+    "dspark": dict(num_layers=2),
+    "eagle3": dict(kind="eagle3", num_layers=1, mask_token_id=None),
+    "mtp1": dict(kind="mtp1", gamma=1, num_layers=1, mask_token_id=None),
+}
+
+
+@pytest.mark.parametrize("kind", list(_PAGED_KINDS))
+def test_paged_context_drafts_like_features_and_writes_only_its_block(kind):
     """``context_cache`` K/V scattered into pages (out of order, a pool full of garbage)
-    draft what the tap features do; the draft writes each writable slot's block K/V right
-    after its context and touches nothing else (a slot that may not write leaves its pages
-    as they were); a cached context in another layout is refused with the layout named."""
-    d, p = _drafter(num_layers=2)
+    draft what the features (and, for EAGLE-3/MTP-1, the tokens) do; the draft writes each
+    writable slot's block K/V right after its context (DSpark: the block at ``c…c+γ-1``;
+    EAGLE-3: chain step i at ``c-1+i``; MTP-1: nothing) and touches nothing else (a slot
+    that may not write leaves its pages as they were); a cached context in another layout
+    is refused with the layout named."""
+    d, p = _drafter(**_PAGED_KINDS[kind])
+    cfg = d.config
     embed, lm = _target_io()
     r, m, ps = 3, 12, 4
-    layers, kvh, hd = 2, TGT.num_key_value_heads, TGT.head_dim
-    feats = jax.random.normal(jax.random.key(4), (r, m, feature_dim(d.config, TGT)))
+    gamma = cfg.gamma
+    layers, kvh, hd = cfg.resolved_num_layers, TGT.num_key_value_heads, TGT.head_dim
+    feats = jax.random.normal(jax.random.key(4), (r, m, feature_dim(cfg, TGT)))
+    tokens = jax.random.randint(jax.random.key(8), (r, m), 0, TGT.vocab_size)
     ctx_len, anchors = jnp.array([3, 9, 12]), jnp.array([1, 2, 3])
     writable = jnp.array([True, True, False])
     positions = jnp.broadcast_to(jnp.arange(m), (r, m))
-    kv = d.apply({"params": p}, feats, positions, method="context_cache")
+    next_ids = next_tokens(tokens, anchors, ctx_len)
+    kv, states = d.apply(
+        {"params": p}, feats, positions, next_ids, embed, method="context_cache"
+    )  # fmt: skip
     assert kv.shape == (r, m, layers, 2 * kvh, hd)
-    pps = -(-(m + GAMMA) // ps)  # the table covers the context and the block
+    query = None
+    if cfg.next_token_states:
+        assert states.shape == (r, m, TGT.hidden_size)
+        query = states[jnp.arange(r), ctx_len - 1]
+    else:
+        assert states is None
+    pps = -(-(m + gamma) // ps)  # the table covers the context and the block
     num_pages = 1 + r * pps + 3
     order = np.random.default_rng(0).permutation(np.arange(1, num_pages))[: r * pps]
     table = jnp.asarray(order.reshape(r, pps), jnp.int32)
@@ -245,28 +267,38 @@ def test_paged_context_drafts_like_features_and_writes_only_its_block():
             embed, lm, method="draft",
         )  # fmt: skip
 
-    ref = draft(DraftContext(feats, ctx_len))
-    out = draft(DraftContext(pages, ctx_len, cached=True, page_table=table, writable=writable))
+    ref = draft(DraftContext(feats, ctx_len, tokens))
+
+    def cached(rows, **kw):
+        kw = {"page_table": table, "query": query, **kw}
+        return DraftContext(rows, ctx_len, cached=True, **kw)
+
+    out = draft(cached(pages, writable=writable))
     # Writable slots draft exactly; slot 2 reads its block positions as they are (a slot
     # that may not write is a finished one, whose drafts are never used).
     np.testing.assert_allclose(np.asarray(out.probs[:2]), np.asarray(ref.probs[:2]), atol=2e-5)
     np.testing.assert_array_equal(np.asarray(out.tokens[:2]), np.asarray(ref.tokens[:2]))
     # Only the writable slots' block positions changed.
-    changed = np.any(np.asarray(out.context != pages), axis=(0, 3, 4))  # [pages, offsets]
+    new_pages = pages if out.context is None else out.context
+    changed = np.any(np.asarray(new_pages != pages), axis=(0, 3, 4))  # [pages, offsets]
+    written = {"dspark": range(0, gamma), "eagle3": range(0, gamma - 1), "mtp1": range(0)}
     want = np.zeros_like(changed)
     for s_ in range(r):
         if writable[s_]:
-            for t in range(int(ctx_len[s_]), int(ctx_len[s_]) + GAMMA):
+            for t in (int(ctx_len[s_]) + i for i in written[kind]):
                 want[int(table[s_, t // ps]), t % ps] = True
     np.testing.assert_array_equal(changed, want)
     with pytest.raises(ValueError, match=r"cached context must be paged"):
-        draft(DraftContext(kv.reshape(r, m, -1), ctx_len, cached=True, page_table=table))
+        draft(cached(kv.reshape(r, m, -1)))
     with pytest.raises(ValueError, match=r"needs its page table"):
-        draft(DraftContext(pages, ctx_len, cached=True))
+        draft(cached(pages, page_table=None))
     # Keys and values split (a [layers, 2, ...] buffer) is refused, not misread.
     split = pages.reshape(layers, num_pages, ps, kvh, 2, hd)[..., 0, :]
     with pytest.raises(ValueError, match=r"expected \[layers, num_pages, page_size, 2\*kv"):
-        draft(DraftContext(split, ctx_len, cached=True, page_table=table))
+        draft(cached(split))
+    if cfg.next_token_states:
+        with pytest.raises(ValueError, match=r"needs the last states"):
+            draft(cached(pages, query=None))
 
 
 def test_block_visibility():

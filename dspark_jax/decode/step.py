@@ -5,9 +5,12 @@ State per slot ``r`` (all fixed-shape arrays, passed in and returned):
 * ``seq_len[r]``: number of committed tokens whose keys/values are in the target cache.
   The anchor (the last committed token, not yet run through the target) sits at position
   ``seq_len[r]``; the drafter's context is every position ``< seq_len[r]``.
-* ``anchor[r]``: that token. ``ctx_feats[r, t]`` / ``ctx_tokens[r, t]``: the target's
-  features (tap hidden states, or the final hidden state for MTP-1) and the token at each
-  committed position ``t < seq_len[r]``.
+* ``anchor[r]``: that token. ``ctx_feats``: the drafter's context, every draft layer's
+  K/V of each committed position ``t < seq_len[r]`` in pages of the slot's page table
+  (computed once, when the position is committed, from the target's tap or final hidden
+  states; for EAGLE-3/MTP-1, whose state ``t`` pairs position t with token ``t+1``, once
+  that token is committed). ``ctx_query[r]`` (EAGLE-3/MTP-1): the slot's last context
+  state, the first query of its next draft.
 
 A round for R slots with verify budget K (one compiled function per K):
 
@@ -26,8 +29,8 @@ A round for R slots with verify budget K (one compiled function per K):
    to its length (``StepConfig.attention``: the TPU kernel reads them once for all the
    slot's rows; the XLA reference gathers them per row).
 4. Accept (greedy or rejection sampling), commit by lengths only (rejected cache entries
-   stay and are overwritten later), append the features of committed positions to the
-   drafter context.
+   stay and are overwritten later), append the drafter's K/V of committed positions to
+   the drafter context.
 
 Random streams: every slot has its own key (``slot_keys[r]``, key data), set at prefill
 from the request's seed and split once per round the slot is active: a request's draws
@@ -60,7 +63,7 @@ import numpy as np
 
 from dspark_jax.decode.pages import full_pool_pages
 from dspark_jax.decode.verify import verify_coupled, verify_greedy, verify_sampling
-from dspark_jax.models.draft_api import DraftContext, SamplingSettings
+from dspark_jax.models.draft_api import DraftContext, SamplingSettings, next_tokens
 from dspark_jax.models.qwen3 import Qwen3, init_cache
 from dspark_jax.ops.paged_attention import (
     ATTENTION_BACKENDS,
@@ -110,11 +113,10 @@ def request_key_data(*seed: int) -> np.ndarray:
 class DecodeState(NamedTuple):
     cache: PagedKVCache  # the target's page pool (ops.paged_attention)
     page_table: Array  # [R, pages_per_seq] int32: each slot's pages (set at prefill)
-    # Drafter context: [R, M, F] tap features (EAGLE-3, MTP-1), or for DSpark/DFlash each
-    # draft layer's K/V in pages of the target's page table,
+    # Drafter context: each draft layer's K/V in pages of the target's page table,
     # [layers, num_pages, page_size, 2·KV, D] (see SpeculativeDecoder.ctx_shape).
     ctx_feats: Array
-    ctx_tokens: Array  # [R, M] int32
+    ctx_query: Array  # [R, d] the last context state (EAGLE-3, MTP-1); [R, 0] otherwise
     seq_len: Array  # [R] int32
     anchor: Array  # [R] int32
     active: Array  # [R] bool
@@ -234,8 +236,8 @@ class SpeculativeDecoder:
                 f"{tcfg.max_position_embeddings}"
             )
         if drafter is None:
-            self.gamma, self.taps, self.kind, self.feat_dim = 1, None, "none", 1
-            self.has_confidence, self.kv_cache = False, False
+            self.gamma, self.taps, self.kind, self.query_dim = 1, None, "none", 0
+            self.has_confidence, self.kv_cache, self.next_token_states = False, False, False
         else:
             dcfg = drafter.config
             if drafter.target.vocab_size != tcfg.vocab_size or (
@@ -249,11 +251,12 @@ class SpeculativeDecoder:
             self.kind = dcfg.kind
             self.gamma = dcfg.draft_len
             self.taps = tuple(dcfg.taps) if dcfg.uses_taps else None
-            # DSpark/DFlash keep each slot's drafter context as per-layer K/V rows, computed
-            # once when a position is committed; drafting then never re-projects the whole
-            # context (the other kinds keep tap features / the final hidden state).
-            self.kv_cache = dcfg.kv_context
-            self.feat_dim = dcfg.context_width(tcfg)
+            # Every drafter keeps each slot's context as its layers' K/V rows in pages,
+            # computed once when a position is committed: drafting never re-projects the
+            # whole context (before, EAGLE-3 and MTP-1 re-ran their layer over it each round).
+            self.kv_cache = True
+            self.next_token_states = dcfg.next_token_states
+            self.query_dim = dcfg.query_width(tcfg)
             self.has_confidence = dcfg.has_confidence
         if config.scheduler in ("threshold", "prefix", "topk") and not self.has_confidence:
             raise ValueError(
@@ -262,10 +265,10 @@ class SpeculativeDecoder:
             )
         g = self.gamma
         self.table_len = config.num_slots * (g + 1) + 1
-        # The paged cache: its pool, and the backend of the verify attention. A drafter
-        # with a context K/V cache shares the target's page table and writes its block's
-        # K/V past the context (ops.paged_attention.block_attention), so a slot's pages
-        # cover γ positions past max_len (decode.pages).
+        # The paged cache: its pool, and the backend of the verify attention. The drafter's
+        # context K/V share the target's page table and a draft writes its block's K/V past
+        # the context (ops.paged_attention.block_attention; EAGLE-3 its chain's), so a
+        # slot's pages cover γ positions past max_len (decode.pages).
         self.draft_positions = g if self.kv_cache else 0
         positions = config.max_len + self.draft_positions
         self.pages_per_seq = pages_per_sequence(positions, config.page_size)
@@ -333,7 +336,7 @@ class SpeculativeDecoder:
             cache=init_cache(self.target.config, self.num_pages, c.page_size),
             page_table=jnp.asarray(self.static_page_rows(np.arange(r))),
             ctx_feats=jnp.zeros(self.ctx_shape, self.target.config.compute_dtype),
-            ctx_tokens=jnp.zeros((r, c.max_len), jnp.int32),
+            ctx_query=jnp.zeros((r, self.query_dim), self.target.config.compute_dtype),
             seq_len=jnp.zeros((r,), jnp.int32),
             anchor=jnp.zeros((r,), jnp.int32),
             active=jnp.zeros((r,), bool),
@@ -379,7 +382,7 @@ class SpeculativeDecoder:
         return lambda h: self.target.apply({"params": tp}, h, method=Qwen3.logits_from_hidden)
 
     def _features(self, taps, hidden):
-        """Drafter context features of target rows: concatenated taps or final hidden."""
+        """What the drafter reads of target rows: concatenated taps or the final hidden."""
         if self.taps is None:
             return hidden
         m = taps.shape[0]
@@ -387,27 +390,23 @@ class SpeculativeDecoder:
 
     @property
     def ctx_shape(self) -> tuple[int, ...]:
-        """Shape of ``DecodeState.ctx_feats``: ``[R, M, F]`` features, or for DSpark/DFlash
-        the draft layers' K/V in pages, ``[layers, num_pages, page_size, 2·KV, D]``: the
-        target cache's layout and page table (``ops.paged_attention``), so its memory is
-        the page pool's, not ``slots × max_len``, and each slot's pages are read once per
-        draft layer, up to its length (``ParallelBackbone.from_paged_cache``)."""
-        r, m = self.config.num_slots, self.config.max_len
-        if self.kv_cache:
-            layers, two, kv, d = self.drafter.config.context_kv_shape(self.target.config)
-            return (layers, self.num_pages, self.config.page_size, two * kv, d)
-        return (r, m, self.feat_dim)
+        """Shape of ``DecodeState.ctx_feats``: the draft layers' K/V in pages,
+        ``[layers, num_pages, page_size, 2·KV, D]``: the target cache's layout and page
+        table (``ops.paged_attention``), so its memory is the page pool's, not ``slots ×
+        max_len``, and each slot's pages are read once per draft layer (EAGLE-3: per draft
+        step), up to its length. Without a drafter, a placeholder ``[1]``."""
+        if not self.kv_cache:
+            return (1,)
+        layers, two, kv, d = self.drafter.config.context_kv_shape(self.target.config)
+        return (layers, self.num_pages, self.config.page_size, two * kv, d)
 
     def _write_context(
         self, ctx: Array, slots: Array, positions: Array, rows: Array, page_table: Array
     ) -> Array:
-        """Scatter context ``rows [..., F]`` (or ``[..., layers, 2·KV, D]``) into slots
-        ``slots`` (rows of ``page_table`` for the paged K/V) at ``positions`` (both
-        ``rows.shape[:-1]`` / ``[:-3]``); out-of-range positions (``max_len``) are
-        dropped."""
+        """Scatter K/V ``rows [..., layers, 2·KV, D]`` into the pages of slots ``slots``
+        (rows of ``page_table``) at ``positions`` (both ``rows.shape[:-3]``); out-of-range
+        positions (``max_len``) are dropped."""
         rows = rows.astype(ctx.dtype)
-        if not self.kv_cache:
-            return ctx.at[slots, positions].set(rows, mode="drop")
         page, offset = page_locations(
             page_table, slots, positions, positions < self.config.max_len,
             self.config.page_size, ctx.shape[1],
@@ -416,13 +415,16 @@ class SpeculativeDecoder:
         # (layers,) + positions.shape + (2·KV, D).
         return ctx.at[:, page, offset].set(jnp.moveaxis(rows, -3, 0), mode="drop")
 
-    def _context_rows(self, dp, taps, hidden, positions):
-        """What the drafter context cache stores for target rows at ``positions``: tap
-        features, or (DSpark/DFlash) the draft layers' K/V of those features."""
-        feats = self._features(taps, hidden)
-        if not self.kv_cache:
-            return feats
-        return self.drafter.apply({"params": dp}, feats, positions, method="context_cache")
+    def _context_rows(self, params, taps, hidden, positions, next_ids):
+        """What the drafter context stores for target rows at ``positions``: the draft
+        layers' K/V ``[..., layers, 2·KV, D]``, and the context states ``[..., d]``
+        (EAGLE-3/MTP-1, whose states pair a row with its next token ``next_ids``; else
+        None), whose last the slot keeps as its next draft's first query."""
+        tp, dp = params[0], params[1]
+        return self.drafter.apply(
+            {"params": dp}, self._features(taps, hidden), positions, next_ids,
+            self._embed_fn(tp), method="context_cache",
+        )  # fmt: skip
 
     # -- prefill ----------------------------------------------------------------------
     def prefill(
@@ -501,18 +503,20 @@ class SpeculativeDecoder:
             first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         next_keys = _select_keys(coupled, base, split[0])
 
-        # Drafter context: features and tokens of prompt positions 0..len-1.
+        # Drafter context: the K/V of prompt positions 0..len-1 (the state at len-1 pairs
+        # with the first sampled token) and the last context state.
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        write = jnp.where(pos < lengths[:, None], pos, c.max_len)
-        rows = jnp.broadcast_to(slots[:, None], (b, t))
-        if self.drafter is None:
-            feats = jnp.zeros((b, t, 1), state.ctx_feats.dtype)
-        else:
-            feats = self._context_rows(params[1], taps, hidden, pos)
-        # Row b's pages are page_rows[b] (the state's table is updated below).
-        table_rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
-        ctx_feats = self._write_context(state.ctx_feats, table_rows, write, feats, page_rows)
-        ctx_tokens = state.ctx_tokens.at[rows, write].set(prompts, mode="drop")
+        ctx_feats, ctx_query = state.ctx_feats, state.ctx_query
+        if self.drafter is not None:
+            write = jnp.where(pos < lengths[:, None], pos, c.max_len)
+            next_ids = next_tokens(prompts, first, lengths)
+            kv, states = self._context_rows(params, taps, hidden, pos, next_ids)
+            # Row b's pages are page_rows[b] (the state's table is updated below).
+            table_rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+            ctx_feats = self._write_context(ctx_feats, table_rows, write, kv, page_rows)
+            if states is not None:
+                last = jnp.take_along_axis(states, (lengths - 1)[:, None, None], axis=1)[:, 0]
+                ctx_query = ctx_query.at[slots].set(last.astype(ctx_query.dtype), mode="drop")
 
         finish = jnp.where(
             first == c.eos_id,
@@ -529,7 +533,7 @@ class SpeculativeDecoder:
             cache=cache,
             page_table=put(state.page_table, page_rows),
             ctx_feats=ctx_feats,
-            ctx_tokens=ctx_tokens,
+            ctx_query=ctx_query,
             seq_len=put(state.seq_len, lengths),
             anchor=put(state.anchor, first),
             active=put(state.active, finish == FINISH_NONE),
@@ -691,10 +695,10 @@ class SpeculativeDecoder:
             return jnp.zeros((r, g), jnp.int32), probs, jnp.ones((r, g), jnp.float32), None
         tp, dp = params[0], params[1]
         context = DraftContext(
-            state.ctx_feats,  # paged K/V for DSpark/DFlash, else target features
+            state.ctx_feats,  # the draft layers' paged K/V
             state.seq_len,
-            state.ctx_tokens,
-            cached=self.kv_cache,
+            cached=True,
+            query=state.ctx_query if self.next_token_states else None,
             page_table=state.page_table,
             writable=state.active,
             attention=self.attention,
@@ -825,15 +829,22 @@ class SpeculativeDecoder:
         # --- commit by lengths -----------------------------------------------------------
         committed = included & (j[None, :] <= accepted[:, None])  # anchor + accepted drafts
         write = jnp.where(committed, pos_rj, c.max_len)
-        feats = None
+        ctx_feats, ctx_query = state.ctx_feats, state.ctx_query
         if self.drafter is not None:  # only the R + K packed rows are projected
-            feats = self._context_rows(params[1], taps, hidden, p_pos[:, None])[:, 0]
-        ctx_feats = state.ctx_feats
-        if feats is not None:
-            ctx_feats = self._write_context(
-                ctx_feats, slot_rj, write, feats[gather_rows], state.page_table
+            # The token after each committed row: the next accepted draft, or for the last
+            # committed row the new anchor (EAGLE-3/MTP-1 states pair a row with it).
+            following = jnp.concatenate([tokens_rj[:, 1:], next_tok[:, None]], axis=1)
+            next_rj = jnp.where(j[None, :] == accepted[:, None], next_tok[:, None], following)
+            kv, states = self._context_rows(
+                params, taps, hidden, p_pos[:, None], pack(next_rj, 0)[:, None]
             )
-        ctx_tokens = state.ctx_tokens.at[slot_rj, write].set(tokens_rj, mode="drop")
+            ctx_feats = self._write_context(
+                ctx_feats, slot_rj, write, kv[:, 0][gather_rows], state.page_table
+            )
+            if states is not None:  # the state of the last committed row, per active slot
+                last_row = jnp.take_along_axis(gather_rows, accepted[:, None], axis=1)[:, 0]
+                last = states[last_row, 0].astype(ctx_query.dtype)
+                ctx_query = jnp.where(active[:, None], last, ctx_query)
 
         emitted = jnp.where(active, accepted + 1, 0)
         emitted = jnp.minimum(emitted, state.remaining)
@@ -857,7 +868,7 @@ class SpeculativeDecoder:
         new_state = state._replace(
             cache=cache,
             ctx_feats=ctx_feats,
-            ctx_tokens=ctx_tokens,
+            ctx_query=ctx_query,
             seq_len=jnp.where(active, new_len, state.seq_len),
             anchor=jnp.where(active, next_tok, state.anchor),
             active=active & (finish == FINISH_NONE),

@@ -36,7 +36,11 @@ from dspark_jax.models.qwen3 import (
     apply_rope,
     rope_tables,
 )
-from dspark_jax.ops.paged_attention import block_attention
+from dspark_jax.ops.paged_attention import (
+    RaggedLayout,
+    block_attention,
+    ragged_attention,
+)
 
 Array = jax.Array
 # (keys, values, mask). keys/values: [C,KV,D] shared by all rows, [B,C,KV,D] per row, or
@@ -165,6 +169,13 @@ def _blocked_attention(q: Array, sources: Sequence[Source], chunk: int) -> Array
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, nq, h, d).astype(q.dtype)
 
 
+def kv_rows(k: Array, v: Array) -> Array:
+    """Keys and values ``[..., KV, D]`` as one row ``[..., 2·KV, D]`` of the paged cache's
+    layout (keys at the even, values at the odd entries; ``ops.paged_attention``)."""
+    kv = jnp.stack([k, v], axis=-2)  # [..., KV, 2, D]
+    return kv.reshape(kv.shape[:-3] + (-1, kv.shape[-1]))
+
+
 class DraftDecoderLayer(nn.Module):
     """A Qwen3 decoder layer whose attention takes extra key/value sources.
 
@@ -275,12 +286,51 @@ class DraftDecoderLayer(nn.Module):
         """``block_step`` over the paged context K/V (``ops.paged_attention.block_attention``):
         the block's own K/V are written into the pages after the context, then each slot's
         pages are read once for its whole block. Returns ``(h, ctx_pages)``."""
-        q, k, v = self._roped_qkv(self.attn_input(h), block_positions)
-        attn, ctx_pages = block_attention(
-            q, k, v, ctx_pages, page_table, block_positions[:, 0], writable, layer_offset,
-            attention, heads_axis=heads_axis,
+        return self.paged_step(
+            self.attn_input(h), h, ctx_pages, layer_offset, page_table, block_positions,
+            writable, attention, heads_axis,
         )  # fmt: skip
-        return self._residual_mlp(h, attn), ctx_pages
+
+    def paged_step(
+        self,
+        x: Array,
+        resid: Array,
+        ctx_pages: Array,
+        layer_offset: int,
+        page_table: Array,
+        positions: Array,
+        writable: Array | None,
+        attention: str,
+        heads_axis: str | None,
+    ) -> tuple[Array, Array]:
+        """Attention + MLP of the queries ``x [S, G, in]`` (residual ``resid``) of slot
+        ``s`` at ``positions[s] = p_s … p_s + G - 1`` over the slot's paged K/V.
+
+        ``writable`` given: the queries' own K/V are written at their positions first (only
+        for slots it marks) and the queries see ``[pages before p_s ; the G written]``
+        (``block_attention``). ``None``: their K/V are already in the pages (a committed
+        context state re-used as a query, G = 1), nothing is written and each query sees
+        the positions up to itself. Returns ``(out [S, G, d], ctx_pages)``."""
+        q, k, v = self._roped_qkv(x, positions)
+        if writable is None:
+            s, g, h, d = q.shape
+            if g != 1:
+                raise ValueError(f"a read-only paged step takes one query per slot, got {g}")
+            layout = RaggedLayout(
+                cu_q_lens=jnp.arange(s + 1, dtype=jnp.int32),
+                kv_lens=(positions[:, 0] + 1).astype(jnp.int32),
+                page_table=page_table.astype(jnp.int32),
+            )
+            attn = ragged_attention(
+                q[:, 0], ctx_pages, layout, layer_offset, attention, heads_axis=heads_axis,
+                max_rows_per_sequence=1,
+            )[:, None]  # fmt: skip
+        else:
+            attn, ctx_pages = block_attention(
+                q, k, v, ctx_pages, page_table, positions[:, 0], writable, layer_offset,
+                attention, heads_axis=heads_axis,
+            )  # fmt: skip
+        return self._residual_mlp(resid, attn), ctx_pages
 
 
 class ParallelBackbone(nn.Module):
@@ -328,12 +378,6 @@ class ParallelBackbone(nn.Module):
         # the batch axis off the mesh (global-batch activations on every device).
         return nn.with_logical_constraint(self.hidden_norm(self.fc(feats)), ACT_AXES)
 
-    def cache_shape(self) -> tuple[int, int, int, int]:
-        """Per-position shape of the context K/V cache: ``(layers, 2, kv_heads, head_dim)``
-        (``2``: keys, values)."""
-        c = self.config
-        return (c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
-
     def context_cache(self, feats: Array, positions: Array) -> Array:
         """Every layer's context keys (k-normed, RoPE at ``positions``) and values of tap
         features ``feats [..., T, m·d]``: ``[..., T, layers, 2·kv_heads, head_dim]``, keys
@@ -344,11 +388,7 @@ class ParallelBackbone(nn.Module):
         computes them once, when the position is committed, and every later draft reuses
         them (``from_paged_cache``) instead of re-projecting the whole context each round."""
         h_ctx = self.context(feats)
-        parts = []
-        for layer in self.layers:
-            k, v = layer.context_kv(h_ctx, positions)
-            kv = jnp.stack([k, v], axis=-2)  # [..., T, KV, 2, D]
-            parts.append(kv.reshape(kv.shape[:-3] + (-1, kv.shape[-1])))
+        parts = [kv_rows(*layer.context_kv(h_ctx, positions)) for layer in self.layers]
         return jnp.stack(parts, axis=-3)  # [..., T, L, 2KV, D]
 
     def from_paged_cache(
@@ -370,16 +410,9 @@ class ParallelBackbone(nn.Module):
         context (slots with ``writable`` only) and reads each slot's pages once; returns
         ``(h, ctx_pages)`` with those writes, which the caller keeps (they lie past the
         committed context and are overwritten when those positions are committed)."""
-        want = self.cache_shape()
+        # The layout is checked by the drafters' ``draft`` entry point (check_draft_inputs).
         shape = ctx_pages.shape
-        layers, _, kv, d = want
-        if ctx_pages.ndim != 5 or (shape[0], shape[3], shape[4]) != (layers, 2 * kv, d):
-            raise ValueError(
-                f"context cache has shape {shape}, expected [layers, num_pages, page_size, "
-                f"2*kv_heads, head_dim] with layers = {layers}, 2*kv_heads = {2 * kv}, "
-                f"head_dim = {d}"
-            )
-        num_pages = shape[1]
+        layers, num_pages = shape[:2]
         flat = ctx_pages.reshape((layers * num_pages,) + shape[2:])
         h = block_embeds
         for i, layer in enumerate(self.layers):

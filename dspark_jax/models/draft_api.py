@@ -6,11 +6,14 @@ All drafters share one signature::
                  sampling: SamplingSettings, embed, lm_head, method="draft") -> DraftOutput
 
 ``DraftContext.rows`` is what the drafter kind reads of the target per committed position
-(``DrafterKind.context``): tap features ``[R, M, len(taps)·d]``, the final hidden state
-``[R, M, d]`` (MTP-1), or, with ``cached=True``, the per-layer K/V rows DSpark/DFlash
-project once per position (``context_cache``). EAGLE-3 and MTP-1 also read the committed
-tokens (``DraftContext.tokens``). Token k of a block is drawn with ``split_keys(rng, G)[k]``
-(``rng``: one key, per-slot keys ``[R]``, or ``StepKeys`` the decode step derived).
+(``DrafterKind.context``): tap features ``[R, M, len(taps)·d]`` or the final hidden state
+``[R, M, d]`` (MTP-1), which every draft re-projects; or, with ``cached=True``, the draft
+layers' K/V rows in pages, computed once per committed position (``context_cache``; the
+decode step's layout). Uncached, EAGLE-3 and MTP-1 also read the committed tokens
+(``DraftContext.tokens``: their states pair a position with the next token); cached, they
+read each slot's last context state (``DraftContext.query``) instead. Token k of a block
+is drawn with ``split_keys(rng, G)[k]`` (``rng``: one key, per-slot keys ``[R]``, or
+``StepKeys`` the decode step derived).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import ClassVar, NamedTuple
 import flax.linen as nn
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.qwen3 import Qwen3Config
@@ -33,6 +37,7 @@ __all__ = [
     "DrafterModule",
     "SamplingSettings",
     "check_draft_inputs",
+    "next_tokens",
 ]
 
 
@@ -45,8 +50,10 @@ class DraftContext:
       ``[layers, num_pages, page_size, 2·kv_heads, head_dim]`` (``ops.paged_attention``),
       slot ``r``'s position ``t`` at page ``page_table[r, t // page_size]``.
     length: ``[R]`` valid rows = the anchor's position (``>= 1`` for EAGLE-3/MTP-1).
-    tokens: ``[R, M]`` committed tokens (EAGLE-3, MTP-1), else ``None``.
+    tokens: ``[R, M]`` committed tokens (uncached EAGLE-3, MTP-1), else ``None``.
     cached: ``rows`` are paged K/V from ``context_cache`` rather than target features.
+    query: ``[R, d]`` (cached EAGLE-3, MTP-1): each slot's last context state, the one at
+      ``length - 1`` that pairs with the anchor (``context_cache``'s second output).
     page_table: ``[R, pages_per_seq]`` (``cached`` only): it must cover ``length + γ``
       positions, where the draft writes its block's K/V.
     writable: ``[R]`` bool (``cached`` only): slots that own their pages and may write
@@ -59,6 +66,7 @@ class DraftContext:
     length: Array
     tokens: Array | None = None
     cached: bool = flax.struct.field(pytree_node=False, default=False)
+    query: Array | None = None
     page_table: Array | None = None
     writable: Array | None = None
     attention: str = flax.struct.field(pytree_node=False, default="xla")
@@ -104,8 +112,9 @@ def check_draft_inputs(
     embed,
     lm_head,
     *,
-    needs_tokens: bool,
-    accepts_cached: bool,
+    kv_shape: tuple[int, int, int, int],
+    next_token_states: bool,
+    query_width: int = 0,
 ) -> tuple[int, int]:
     """The checks every ``draft`` shares; returns ``(R, M)``. Errors name the drafter."""
 
@@ -114,12 +123,19 @@ def check_draft_inputs(
             raise ValueError(f"{drafter} draft: {msg}")
 
     need(isinstance(context, DraftContext), f"context must be a DraftContext, got {type(context)}")
-    need(accepts_cached or not context.cached, "has no context K/V cache (cached=True)")
     if context.cached:
         need(
             context.rows.ndim == 5,
             "cached context must be paged, [layers, num_pages, page_size, 2*KV, D], got "
             f"{context.rows.shape}",
+        )
+        layers, _, kv, d = kv_shape
+        shape = context.rows.shape
+        need(
+            (shape[0], shape[3], shape[4]) == (layers, 2 * kv, d),
+            f"context cache has shape {shape}, expected [layers, num_pages, page_size, "
+            f"2*kv_heads, head_dim] with layers = {layers}, 2*kv_heads = {2 * kv}, "
+            f"head_dim = {d}",
         )
         need(
             context.page_table is not None and context.page_table.ndim == 2,
@@ -131,11 +147,31 @@ def check_draft_inputs(
     need(context.length.shape == (r,), f"context length must be [{r}], got {context.length.shape}")
     need(anchor_tokens.shape == (r,), f"anchor_tokens must be [{r}], got {anchor_tokens.shape}")
     need(embed is not None and lm_head is not None, "needs embed and lm_head")
-    if needs_tokens:
+    if next_token_states and context.cached:
+        query = context.query
+        need(query is not None, f"a cached context needs the last states [{r}, {query_width}] "
+             "(DraftContext.query)")  # fmt: skip
+        need(query.shape == (r, query_width), f"context query must be {(r, query_width)}, "
+             f"got {query.shape}")  # fmt: skip
+    elif next_token_states:
         tokens = context.tokens
         need(tokens is not None, f"needs context_tokens [{r}, {m}] (DraftContext.tokens)")
         need(tokens.shape == (r, m), f"context tokens must be {(r, m)}, got {tokens.shape}")
     return r, m
+
+
+def next_tokens(context_tokens: Array, anchor_tokens: Array, ctx_len: Array) -> Array:
+    """``[R, M]``: the token following each context position (x_{t+1}); the anchor at
+    ``t = ctx_len-1``; 0 beyond."""
+    r, m = context_tokens.shape
+    t = jnp.arange(m, dtype=jnp.int32)[None, :]
+    shifted = jnp.concatenate(
+        [context_tokens[:, 1:], jnp.zeros((r, 1), context_tokens.dtype)], axis=1
+    )
+    out = jnp.where(t + 1 < ctx_len[:, None], shifted, 0)
+    out = jnp.where(t + 1 == ctx_len[:, None], anchor_tokens[:, None], out)
+    return out.astype(jnp.int32)
+
 
 
 class DrafterModule(nn.Module):
@@ -157,13 +193,21 @@ class DrafterModule(nn.Module):
         lm_head,
     ) -> DraftOutput:
         """One round of drafts for R slots (DESIGN §5.2); see the module docstring."""
-        cached = self.config.kv_context
-        # Drafters without a context K/V cache re-run their layer over the committed tokens.
+        cfg = self.config
         check_draft_inputs(
             self.label, context, anchor_tokens, embed, lm_head,
-            needs_tokens=not cached, accepts_cached=cached,
+            kv_shape=cfg.context_kv_shape(self.target), next_token_states=cfg.next_token_states,
+            query_width=cfg.query_width(self.target),
         )  # fmt: skip
         return self._draft(context, anchor_tokens, rng, sampling, embed, lm_head)
 
     def _draft(self, context, anchor_tokens, rng, sampling, embed, lm_head) -> DraftOutput:
+        raise NotImplementedError
+
+    def context_cache(self, context_feats, positions, next_ids, embed):
+        """What the decode step stores per committed position (``DraftContext.cached``):
+        ``(kv, query)``, ``kv [..., T, layers, 2·KV, D]`` every draft layer's K/V of the
+        context state at ``positions [..., T]`` from features ``[..., T, F]`` (and, for
+        ``next_token_states`` kinds, the next tokens ``next_ids [..., T]``), and ``query
+        [..., T, d]`` the states themselves (the slot keeps the last one) or ``None``."""
         raise NotImplementedError

@@ -27,9 +27,12 @@ class DrafterKind:
     know about its kind; code outside the per-drafter modules asks this, never the name.
 
     context: what the drafter reads of the target per committed position:
-      ``kv_rows`` (DSpark/DFlash: tap features projected once into per-layer K/V rows,
-      cached), ``tap_features`` (EAGLE-3: the concatenated tap hidden states) or
+      ``taps`` (the concatenated tap hidden states: DSpark, DFlash, EAGLE-3) or
       ``final_hidden`` (MTP-1: the target's last normed hidden state).
+    next_token_states: context state ``t`` pairs position t's feature with the *next*
+      token ``x_{t+1}`` (EAGLE-3, MTP-1), so its K/V row is known once ``x_{t+1}`` is
+      committed, and the draft's first query is the last context state itself; otherwise
+      (DSpark, DFlash) a position's K/V depend on its own features only.
     mask_token: block positions 1..γ-1 are MASK placeholders (parallel block drafting).
     single_token: one draft token per round (γ fixed at 1).
     sequential_head / confidence: whether a Markov/RNN head and a confidence head exist.
@@ -41,6 +44,7 @@ class DrafterKind:
 
     name: str
     context: str
+    next_token_states: bool
     mask_token: bool
     single_token: bool
     sequential_head: bool
@@ -50,10 +54,10 @@ class DrafterKind:
 
 
 DRAFTER_KINDS = {
-    "dspark": DrafterKind("dspark", "kv_rows", True, False, True, True, 5, (0.1, 0.9, 1.0)),
-    "dflash": DrafterKind("dflash", "kv_rows", True, False, False, False, 5, (1.0, 0.0, 0.0)),
-    "eagle3": DrafterKind("eagle3", "tap_features", False, False, False, False, 1),
-    "mtp1": DrafterKind("mtp1", "final_hidden", False, True, False, False, 1),
+    "dspark": DrafterKind("dspark", "taps", False, True, False, True, True, 5, (0.1, 0.9, 1.0)),
+    "dflash": DrafterKind("dflash", "taps", False, True, False, False, False, 5, (1.0, 0.0, 0.0)),
+    "eagle3": DrafterKind("eagle3", "taps", True, False, False, False, False, 1),
+    "mtp1": DrafterKind("mtp1", "final_hidden", True, False, True, False, False, 1),
 }
 KINDS = tuple(DRAFTER_KINDS)
 
@@ -177,9 +181,10 @@ class DrafterConfig:
         return DRAFTER_KINDS[self.kind]
 
     @property
-    def kv_context(self) -> bool:
-        """The decode state keeps this drafter's context as K/V rows (DSpark/DFlash)."""
-        return self.spec.context == "kv_rows"
+    def next_token_states(self) -> bool:
+        """Context states pair a position with the next token (EAGLE-3, MTP-1; see
+        ``DrafterKind``): the decode state also keeps each slot's last state."""
+        return self.spec.next_token_states
 
     @property
     def uses_taps(self) -> bool:
@@ -203,21 +208,23 @@ class DrafterConfig:
         return self.spec.single_token
 
     def context_kv_shape(self, target_config) -> tuple[int, int, int, int]:
-        """Per-position shape of a DSpark/DFlash context K/V cache:
-        ``(draft layers, 2, kv_heads, head_dim)`` (``2``: keys, values)."""
+        """Per-position shape of the decode state's drafter context: every draft layer's
+        K/V, ``(draft layers, 2, kv_heads, head_dim)`` (``2``: keys, values)."""
         t = target_config
         return (self.resolved_num_layers, 2, t.num_key_value_heads, t.head_dim)
 
-    def context_width(self, target_config) -> int:
-        """Per-position width of the decode state's drafter context: the K/V of every
-        draft layer (``context_kv_shape`` flattened), the tap features (``taps · hidden``)
-        or the final hidden state (``hidden``)."""
+    def feature_width(self, target_config) -> int:
+        """Per-position width of what the drafter reads of the target: the tap features
+        (``taps · hidden``) or the final hidden state (``hidden``)."""
         t = target_config
-        if self.kv_context:
-            return math.prod(self.context_kv_shape(t))
         if self.uses_taps:
             return t.hidden_size * len(self.taps or ())
         return t.hidden_size
+
+    def query_width(self, target_config) -> int:
+        """Width of the per-slot last context state the decode state keeps for the draft's
+        first query (``hidden``; 0 for kinds whose block queries are new tokens)."""
+        return target_config.hidden_size if self.next_token_states else 0
 
     def _kind_problems(self) -> list[str]:
         out = []

@@ -55,8 +55,7 @@ def make_drafter(drafter_config: DrafterConfig, target_config: Qwen3Config) -> n
 
 def feature_dim(drafter_config: DrafterConfig, target_config: Qwen3Config) -> int:
     """Width of one context feature row: ``len(taps)·d`` (MTP-1: ``d``, the final hidden)."""
-    cfg = drafter_config.resolve(target_config)
-    return len(cfg.taps) * target_config.hidden_size if cfg.uses_taps else target_config.hidden_size
+    return drafter_config.resolve(target_config).feature_width(target_config)
 
 
 def init_drafter_params(drafter: nn.Module, rng: jax.Array):

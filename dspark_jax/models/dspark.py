@@ -232,10 +232,12 @@ class DSparkDrafter(DrafterModule):
         return self._sample_block(h, anchor_tokens, rng, sampling, lm_head)
 
     # -- the per-slot context K/V cache (the decode step's path) --------------------------
-    def context_cache(self, context_feats: Array, positions: Array) -> Array:
+    def context_cache(self, context_feats, positions, next_ids=None, embed=None):
         """Context K/V of every draft layer for tap features ``[..., T, m·d]`` at absolute
-        ``positions [..., T]``: ``[..., T, layers, 2·KV, D]`` (see ``ParallelBackbone``)."""
-        return self.backbone.context_cache(context_feats, positions)
+        ``positions [..., T]``: ``([..., T, layers, 2·KV, D], None)`` (see
+        ``ParallelBackbone``; a position's K/V need neither the next token nor a last-state
+        query, the ``DrafterModule.context_cache`` signature's other parts)."""
+        return self.backbone.context_cache(context_feats, positions), None
 
     def _sample_block(self, h, anchor_tokens, rng, sampling, lm_head):
         """LM head over the block's states, then the sequential head's left-to-right scan."""

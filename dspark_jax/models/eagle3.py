@@ -16,9 +16,15 @@ sits at RoPE position t and predicts x_{t+2}. With ``c = ctx_len`` (the anchor's
 
 Training (training-time test, DeepSpec ``compute_eagle3_loss``): the same computation for
 every position t of a sequence at once, unrolled over γ steps; step i at t attends to the
-step-0 states ``<= t`` and to its own chain (steps ``1..i`` at t). Context handling at
-inference recomputes the context states' K/V from the features each round (one layer; a
-per-slot K/V cache would avoid that, see ``draft``).
+step-0 states ``<= t`` and to its own chain (steps ``1..i`` at t).
+
+Drafting reads the context one of two ways (``DraftContext.cached``): target features and
+tokens, whose states' K/V it recomputes every round (tests, offline use), or the decode
+step's paged K/V of the context states (``context_cache``: state ``t``'s K/V are written
+once, when ``x_{t+1}`` is committed) and each slot's last state ``g_{c-1}``. Cached, chain
+step ``i`` writes its K/V at position ``c-1+i`` of the slot's pages (past the context,
+overwritten when those positions are committed) and reads the pages up to itself, which
+is exactly ``[context states ; chain 1..i]``.
 """
 
 from __future__ import annotations
@@ -27,29 +33,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.models.backbone import DraftDecoderLayer, apply_lm_head, embed_tokens
+from dspark_jax.models.backbone import DraftDecoderLayer, apply_lm_head, embed_tokens, kv_rows
 from dspark_jax.models.draft_api import (
     DrafterModule,
     DraftOutput,
+    next_tokens,
 )
 from dspark_jax.models.dspark import _check, draft_qwen3_config
 from dspark_jax.models.qwen3 import Projection, Qwen3Config, RMSNorm
 from dspark_jax.ops.sampling import split_keys
 
 Array = jax.Array
-
-
-def next_tokens(context_tokens: Array, anchor_tokens: Array, ctx_len: Array) -> Array:
-    """``[R, M]``: the token following each context position (x_{t+1}); the anchor at
-    ``t = ctx_len-1``; 0 beyond."""
-    r, m = context_tokens.shape
-    t = jnp.arange(m, dtype=jnp.int32)[None, :]
-    shifted = jnp.concatenate(
-        [context_tokens[:, 1:], jnp.zeros((r, 1), context_tokens.dtype)], axis=1
-    )
-    out = jnp.where(t + 1 < ctx_len[:, None], shifted, 0)
-    out = jnp.where(t + 1 == ctx_len[:, None], anchor_tokens[:, None], out)
-    return out.astype(jnp.int32)
 
 
 def shift_left(tokens: Array, n: int) -> Array:
@@ -86,6 +80,16 @@ class _Eagle3Core(nn.Module):
 
     def context_kv(self, g: Array, emb: Array, positions: Array):
         return self.layers_0.context_kv(self.layers_0.attn_input(g, emb), positions)
+
+    def paged(self, g, emb, positions, pages, page_table, writable, attention, heads_axis):
+        """The layer for one query per slot over the slot's paged states (``paged_step``):
+        returns ``(h, pages, norm(h))``."""
+        layer = self.layers_0
+        h, pages = layer.paged_step(
+            layer.attn_input(g, emb), g, pages, 0, page_table, positions, writable,
+            attention, heads_axis,
+        )  # fmt: skip
+        return h, pages, self.norm(h)
 
     def __call__(self, g, emb, positions, sources, own, own_mask=None):
         layer = self.layers_0
@@ -169,13 +173,24 @@ class Eagle3Drafter(DrafterModule):
             all_logits.append(apply_lm_head(lm_head, hn, tgt.vocab_size))
         return jnp.stack(all_logits, axis=0)
 
+    def context_cache(self, context_feats, positions, next_ids, embed):
+        """The context states' K/V ``[..., T, 1, 2·KV, D]`` and the states' ``g = fc(feats)``
+        ``[..., T, d]`` (the decode step keeps the last as the first draft query) for tap
+        features ``[..., T, m·d]`` at ``positions``, paired with ``next_ids`` (x_{t+1})."""
+        g = self._project(context_feats)
+        k, v = self.core.context_kv(g, self._embed(embed, next_ids), positions)
+        return kv_rows(k, v)[..., None, :, :], g
+
     def _draft(self, context, anchor_tokens, rng, sampling, embed, lm_head) -> DraftOutput:
-        """Draft γ tokens autoregressively (``lax.scan`` over steps 1..γ-1).
+        """Draft γ tokens autoregressively (``lax.scan`` over steps 1..γ-1; cached: steps
+        unrolled over the paged states, see the module docstring).
 
         ``context.rows [R, M, m·d]`` and ``context.tokens [R, M]`` hold the tap features and
         tokens of committed positions ``0..length-1`` (``length >= 1``); the anchor is at
         ``length``. ``confidence_logits`` is ``None``.
         """
+        if context.cached:
+            return self._draft_cached(context, anchor_tokens, rng, sampling, embed, lm_head)
         cfg, tgt = self.config, self.target
         r, m = context.rows.shape[:2]
         context_feats, context_tokens = context.rows, context.tokens
@@ -236,3 +251,32 @@ class Eagle3Drafter(DrafterModule):
         token_probs = jnp.concatenate([p0[:, None], p_toks.T], axis=1)
         all_probs = jnp.concatenate([probs0[:, None], jnp.swapaxes(probs, 0, 1)], axis=1)
         return DraftOutput(tokens, token_probs, all_probs, None)
+
+    def _draft_cached(self, context, anchor_tokens, rng, sampling, embed, lm_head):
+        """``_draft`` over the paged states: the first query is the slot's last context state
+        (``context.query``, at ``length - 1``, its K/V already in the pages); chain step i
+        writes its K/V at ``length - 1 + i`` and reads the pages up to there. Returns the
+        drafts and the pages with the chain's writes (``DraftOutput.context``)."""
+        tgt, gamma = self.target, self.config.gamma
+        r = context.page_table.shape[0]
+        keys = split_keys(rng, gamma)
+        shape = context.rows.shape  # [1, num_pages, page_size, 2·KV, D]
+        pages = context.rows.reshape(shape[1:])
+        table, attn, axis = context.page_table, context.attention, context.heads_axis
+        writable = jnp.ones((r,), bool) if context.writable is None else context.writable
+        last = context.length.astype(jnp.int32) - 1
+        g_last = context.query[:, None].astype(self.qcfg.compute_dtype)
+        h, _, hn = self.core.paged(
+            g_last, self._embed(embed, anchor_tokens[:, None]), last[:, None], pages, table,
+            None, attn, axis,
+        )  # fmt: skip
+        outs = []
+        for i in range(gamma):
+            if i:  # chain step i: the previous state and the token it proposed
+                h, pages, hn = self.core.paged(
+                    h, self._embed(embed, outs[-1][0][:, None]), (last + i)[:, None], pages,
+                    table, writable, attn, axis,
+                )  # fmt: skip
+            outs.append(sampling.draw(keys[i], apply_lm_head(lm_head, hn[:, 0], tgt.vocab_size)))
+        tokens, token_probs, probs = (jnp.stack(x, axis=1) for x in zip(*outs))
+        return DraftOutput(tokens, token_probs, probs, None, pages.reshape(shape))

@@ -7,8 +7,11 @@ over the states, then a final RMSNorm and the shared (frozen) target LM head; th
 at t predicts ``x_{t+2}``. Embedding and head are the target's.
 
 Drafting: with the anchor at position ``c = ctx_len``, the state at ``t = c-1`` pairs
-``h_{c-1}`` with the anchor and proposes the single token at ``c+1`` (attending to the
-states ``t <= c-1``, whose K/V are recomputed from the context each round).
+``h_{c-1}`` with the anchor and proposes the single token at ``c+1``, attending to the
+states ``t <= c-1``: recomputed from features and tokens every round (uncached), or read
+from the decode step's paged K/V of the states (``DraftContext.cached``: state t's K/V
+written once, when x_{t+1} is committed, ``context_cache``) with the slot's last state
+``s_{c-1}`` as the query.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.models.backbone import DraftDecoderLayer, apply_lm_head, embed_tokens
+from dspark_jax.models.backbone import DraftDecoderLayer, apply_lm_head, embed_tokens, kv_rows
 from dspark_jax.models.draft_api import (
     DrafterModule,
     DraftOutput,
+    next_tokens,
 )
 from dspark_jax.models.dspark import _check, draft_qwen3_config
-from dspark_jax.models.eagle3 import _gather_rows, causal_mask, next_tokens, shift_left
+from dspark_jax.models.eagle3 import _gather_rows, causal_mask, shift_left
 from dspark_jax.models.qwen3 import Projection, RMSNorm
 from dspark_jax.ops.sampling import split_keys
 
@@ -80,13 +84,34 @@ class MTPDrafter(DrafterModule):
         h, _ = layer(layer.attn_input(states), states, pos, [], "block", causal_mask(valid))
         return apply_lm_head(lm_head, self.norm(h), self.target.vocab_size)
 
+    def context_cache(self, context_feats, positions, next_ids, embed):
+        """The states' K/V ``[..., T, 1, 2·KV, D]`` and the states ``s_t`` ``[..., T, d]``
+        (the decode step keeps the last as the draft query) for final hidden states
+        ``[..., T, d]`` at ``positions``, paired with ``next_ids`` (x_{t+1})."""
+        states = self._states(context_feats, next_ids, embed)
+        layer = self.layers_0
+        k, v = layer.context_kv(layer.attn_input(states), positions)
+        return kv_rows(k, v)[..., None, :, :], states
+
     def _draft(self, context, anchor_tokens, rng, sampling, embed, lm_head) -> DraftOutput:
         """One draft token per slot: ``DraftOutput`` with ``tokens [R, 1]``, ``probs [R, 1, V]``.
 
         ``context.rows [R, M, d]`` / ``context.tokens [R, M]``: final hidden states and
         tokens of committed positions ``0..length-1`` (``length >= 1``); anchor at
-        ``length``. The token uses ``split(rng, 1)[0]`` (same convention as DSpark).
+        ``length``; or (cached) the states' paged K/V and ``context.query``. The token uses
+        ``split(rng, 1)[0]`` (same convention as DSpark).
         """
+        layer = self.layers_0
+        last = context.length.astype(jnp.int32) - 1
+        if context.cached:  # the last state's K/V are in the pages: nothing is written
+            q_state = context.query[:, None].astype(self.qcfg.compute_dtype)
+            shape = context.rows.shape
+            h, _ = layer.paged_step(
+                layer.attn_input(q_state), q_state, context.rows.reshape(shape[1:]), 0,
+                context.page_table, last[:, None], None, context.attention,
+                context.heads_axis,
+            )  # fmt: skip
+            return self._sample(h, rng, sampling, lm_head)
         r, m = context.rows.shape[:2]
         context_feats, context_tokens = context.rows, context.tokens
         ctx_len = context.length.astype(jnp.int32)
@@ -94,9 +119,7 @@ class MTPDrafter(DrafterModule):
             context_feats, next_tokens(context_tokens, anchor_tokens, ctx_len), embed
         )
         pos = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (r, m))
-        layer = self.layers_0
         k_all, v_all = layer.context_kv(layer.attn_input(states), pos)
-        last = ctx_len - 1
         q_state = _gather_rows(states, last)
         h, _ = layer(
             layer.attn_input(q_state),
@@ -105,6 +128,9 @@ class MTPDrafter(DrafterModule):
             [(k_all, v_all, (pos < ctx_len[:, None])[:, None, :])],
             "none",
         )
+        return self._sample(h, rng, sampling, lm_head)
+
+    def _sample(self, h, rng, sampling, lm_head) -> DraftOutput:
         logits = apply_lm_head(lm_head, self.norm(h), self.target.vocab_size)  # [R, 1, V]
         tok, p_tok, probs = sampling.draw(split_keys(rng, 1)[0], logits[:, 0])
         return DraftOutput(tok[:, None], p_tok[:, None], probs[:, None], None)

@@ -213,8 +213,10 @@ def round_flops_hand_count(
     """Hand count of one fused decode round's flops (whole program, all chips together):
     the target verifying ``B = slots + budget`` tokens, and the drafter drafting γ tokens
     for every slot (its layers over the γ block tokens against the context, the shared LM
-    head on every draft row, the Markov/RNN head's rank-r factor) plus projecting the
-    committed positions' tap features into its context. Elementwise work is left out."""
+    head on every draft row, the Markov/RNN head's rank-r factor) plus its context rows
+    for the ``B`` verified positions: the feature projection (``fc``; MTP-1's ``eh_proj``
+    over hidden and next-token embedding) and every draft layer's K/V projection.
+    Elementwise work is left out."""
     b = slots + budget
     out = {"target": target_forward_flops(target, b, context_len)}
     if drafter is not None:
@@ -226,8 +228,9 @@ def round_flops_hand_count(
         lm_head = 2.0 * rows * d * v
         rank = getattr(drafter, "head_rank", 0) or 0
         head = 2.0 * rows * rank * v
-        taps = len(drafter.taps or ())
-        ctx_proj = 2.0 * b * taps * d * d
+        proj_in = drafter.feature_width(target) + (0 if drafter.uses_taps else d)
+        kv_out = 2 * target.num_key_value_heads * target.head_dim
+        ctx_proj = 2.0 * b * proj_in * d + layers * 2.0 * b * d * kv_out
         out.update(drafter_layers=draft, drafter_lm_head=lm_head, drafter_head=head,
                    drafter_context=ctx_proj)  # fmt: skip
     out["total"] = float(sum(out.values()))
