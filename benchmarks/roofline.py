@@ -266,8 +266,8 @@ def markdown(res: dict) -> str:
         "",
         f"Verify attention: `{res['rows'][0].get('attention', 'dense gather')}`"
         + (
-            f", also for the draft layers' block over the paged context "
-            f"({res['rows'][0]['draft_kernel_calls']} calls)"
+            f", also for the drafter's attention over its paged context "
+            f"(kernel calls per round: {res['rows'][0]['draft_kernel_calls']})"
             if res["rows"][0].get("draft_kernel_calls")
             else ""
         )
