@@ -173,7 +173,6 @@ def next_tokens(context_tokens: Array, anchor_tokens: Array, ctx_len: Array) -> 
     return out.astype(jnp.int32)
 
 
-
 class DrafterModule(nn.Module):
     """Base of every drafter module: the fields they share and the one ``draft`` entry
     point, which checks its inputs and calls the kind's ``_draft``. Subclasses also
