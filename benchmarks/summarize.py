@@ -630,7 +630,9 @@ def _serving_table(name: str, data: dict) -> list[str]:
             "Engine host share (dispatch + host processing over the engine thread's busy "
             f"time, from its round timeline; range over the levels): {desc}.",
         ]
-        if any(r.get("two_phase") for r in data.get("cost_model", {}).values()):
+        two_phase = any(r.get("two_phase") for r in data.get("cost_model", {}).values())
+        # Runs before the plan wait was booked as device wait show Algorithm 1 near 100 %.
+        if two_phase and max(shares.get("Algorithm 1") or [0.0]) > 0.5:
             out.append(
                 "Algorithm 1 is synchronous (two-phase: the host reads Σ ℓ before choosing "
                 "the shape); in runs before its plan wait was booked as device wait, that "
