@@ -316,9 +316,11 @@ class DraftDecoderLayer(nn.Module):
             s, g, h, d = q.shape
             if g != 1:
                 raise ValueError(f"a read-only paged step takes one query per slot, got {g}")
+            # An empty slot (length 0, position -1) reads position 0 (its drafts are never
+            # used) rather than nothing: a kernel dividing by an empty softmax sum gives NaN.
             layout = RaggedLayout(
                 cu_q_lens=jnp.arange(s + 1, dtype=jnp.int32),
-                kv_lens=(positions[:, 0] + 1).astype(jnp.int32),
+                kv_lens=jnp.maximum(positions[:, 0] + 1, 1).astype(jnp.int32),
                 page_table=page_table.astype(jnp.int32),
             )
             attn = ragged_attention(
