@@ -509,7 +509,7 @@ class SpeculativeDecoder:
         ctx_feats, ctx_query = state.ctx_feats, state.ctx_query
         if self.drafter is not None:
             write = jnp.where(pos < lengths[:, None], pos, c.max_len)
-            next_ids = next_tokens(prompts, first, lengths)
+            next_ids = next_tokens(prompts, first, lengths) if self.next_token_states else None
             kv, states = self._context_rows(params, taps, hidden, pos, next_ids)
             # Row b's pages are page_rows[b] (the state's table is updated below).
             table_rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
@@ -831,13 +831,14 @@ class SpeculativeDecoder:
         write = jnp.where(committed, pos_rj, c.max_len)
         ctx_feats, ctx_query = state.ctx_feats, state.ctx_query
         if self.drafter is not None:  # only the R + K packed rows are projected
-            # The token after each committed row: the next accepted draft, or for the last
-            # committed row the new anchor (EAGLE-3/MTP-1 states pair a row with it).
-            following = jnp.concatenate([tokens_rj[:, 1:], next_tok[:, None]], axis=1)
-            next_rj = jnp.where(j[None, :] == accepted[:, None], next_tok[:, None], following)
-            kv, states = self._context_rows(
-                params, taps, hidden, p_pos[:, None], pack(next_rj, 0)[:, None]
-            )
+            p_next = None
+            if self.next_token_states:
+                # The token after each committed row: the next accepted draft, or for the
+                # last committed row the new anchor (EAGLE-3/MTP-1 states pair a row with it).
+                following = jnp.concatenate([tokens_rj[:, 1:], next_tok[:, None]], axis=1)
+                next_rj = jnp.where(j[None, :] == accepted[:, None], next_tok[:, None], following)
+                p_next = pack(next_rj, 0)[:, None]
+            kv, states = self._context_rows(params, taps, hidden, p_pos[:, None], p_next)
             ctx_feats = self._write_context(
                 ctx_feats, slot_rj, write, kv[:, 0][gather_rows], state.page_table
             )
