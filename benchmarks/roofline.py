@@ -181,6 +181,8 @@ def run(args) -> dict:
             "top_bytes": rl.bytes_by_op(hlo, top=8),
             # XLA's bytes re-derived per instruction, by the name scope that emitted it.
             "bytes_by_scope": hlo_bytes.bytes_by_scope(hlo, depth=SCOPE_DEPTH, top=40),
+            # Weights XLA copies into another layout before use (each one every round).
+            "parameter_relayouts": hlo_bytes.parameter_relayouts(hlo),
             "compile_s": round(time.perf_counter() - t0, 1),
         }  # fmt: skip
         rows.append(row)
@@ -284,11 +286,19 @@ def markdown(res: dict) -> str:
         lines.append(
             f"| {r['B']} | {r['bytes'] / 1e9:.1f} | "
             f"{r.get('kernel_bytes_modelled', 0) / 1e9:.1f} | {r['floor_bytes'] / 1e9:.1f} | "
-            f"{r['bytes_over_floor']:.1f} | {r['flops'] / 1e9:.0f} | {r['flops_ratio']:.2f} | "
+            f"{r['bytes_over_floor']:.2f} | {r['flops'] / 1e9:.0f} | {r['flops_ratio']:.2f} | "
             f"{r['modelled_ms']:.1f} | {r['floor_ms']:.1f} | {r['modelled_sps']:.1f} | "
             f"{r['sps_over_sps_R']:.2f} | {r['bound']} | {r['while_loops']} |"
         )
     last = res["rows"][-1]
+    if "parameter_relayouts" in last:
+        moved = sum(last["parameter_relayouts"].values())
+        lines += [
+            "",
+            f"Weights copied into another layout before use (`perf.hlo_bytes."
+            f"parameter_relayouts`, every round): {len(last['parameter_relayouts'])} "
+            f"parameters, {moved / 1e9:.2f} GB at B = {last['B']}.",
+        ]
     lines += [
         "",
         f"Largest producers of bytes at B = {last['B']} (output bytes by HLO opcode, GB):",

@@ -150,6 +150,24 @@ def test_tpu_kernel_lowers_inside_the_serving_round(kind):
 
 
 @needs_libtpu
+def test_serving_round_reads_every_weight_in_its_stored_layout():
+    """XLA:TPU multiplies every weight where it lies: no copy of a parameter into another
+    layout in the round (the unrolled program the roofline measures). q/k/v kernels stored
+    [d, heads, head_dim] were re-laid out on every call (tiled over (heads, head_dim), not
+    the (d, out) the MXU contracts); stored [d, heads·head_dim] they are not."""
+    from dspark_jax.models.presets import get_preset
+    from dspark_jax.perf.hlo_bytes import parameter_relayouts
+
+    mesh = aot.aot_mesh("1,1,4", topology="v5e:2x2")
+    tgt = get_preset("tiny").replace(
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+        scan_layers=False,
+    )  # fmt: skip
+    _, compiled = aot.compile_serve_round(tgt, None, mesh, slots=4, max_len=64, scheduler="none")
+    assert parameter_relayouts(compiled.as_text()) == {}
+
+
+@needs_libtpu
 def test_splash_attention_lowers_in_the_training_step():
     """XLA:TPU compiles the target's loss and gradients with splash attention (auto on a
     TPU topology; batch over fsdp, heads over tensor) and no [T, T] array."""

@@ -148,6 +148,43 @@ def test_config_json_roundtrip_and_resolve(tmp_path):
     assert DrafterConfig(kind="dspark", markov_rank=0, mask_token_id=1).resolve(TGT).head == "none"
 
 
+def test_qkv_kernels_are_2d_and_old_3d_drafter_files_still_load(tmp_path):
+    """q/k/v kernels are stored [d, heads·head_dim] (Projection.flat_out); a drafter file
+    written when they were [d, heads, head_dim] loads to the same values, and a tensor of
+    any other shape is still refused by name."""
+    from safetensors.numpy import load_file, save_file
+
+    from dspark_jax.models.drafter_io import load_drafter, save_drafter
+
+    cfg = DrafterConfig(kind="dspark", gamma=GAMMA, num_layers=1, mask_token_id=MASK,
+                        markov_rank=8)  # fmt: skip
+    d = make_drafter(cfg.resolve(TGT), TGT)
+    params = nn.unbox(init_drafter_params(d, jax.random.key(0)))
+    attn = params["backbone"]["layers_0"]["self_attn"]
+    hd = TGT.head_dim
+    assert attn["q_proj"]["kernel"].shape == (TGT.hidden_size, TGT.num_attention_heads * hd)
+    assert attn["k_proj"]["kernel"].shape == (TGT.hidden_size, TGT.num_key_value_heads * hd)
+    assert attn["o_proj"]["kernel"].shape == (TGT.num_attention_heads, hd, TGT.hidden_size)
+
+    save_drafter(tmp_path / "new", cfg, TGT, params)
+    weights = tmp_path / "new" / "model.safetensors"
+    tensors = load_file(str(weights))
+    old = dict(tensors)
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        name = f"backbone/layers_0/self_attn/{proj}/kernel"
+        old[name] = tensors[name].reshape(TGT.hidden_size, -1, hd)  # the old 3-D layout
+        assert old[name].ndim == 3
+    save_file(old, str(weights))
+    _, loaded = load_drafter(tmp_path / "new", TGT)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    old["backbone/layers_0/self_attn/k_proj/kernel"] = np.zeros((TGT.hidden_size, 3, hd))
+    save_file(old, str(weights))
+    with pytest.raises(ValueError, match=r"'backbone/layers_0/self_attn/k_proj/kernel' has shape"):
+        load_drafter(tmp_path / "new", TGT)
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [

@@ -194,7 +194,7 @@ def load_drafter(
         )
     params = {}
     for name, spec in expected.items():
-        arr = loaded[name]
+        arr = _merged_head_axes(name, loaded[name], tuple(spec.shape))
         if tuple(arr.shape) != tuple(spec.shape):
             raise ValueError(
                 f"{weights_path}: tensor {name!r} has shape {tuple(arr.shape)}, expected "
@@ -202,6 +202,23 @@ def load_drafter(
             )
         params[name] = np.asarray(arr, np.float32).astype(spec.dtype)
     return module, _unflatten(params)
+
+
+# Files written before the q/k/v kernels went 2-D (``models.qwen3.Projection.flat_out``)
+# hold them as [d, heads, head_dim]; the row-major merge of the last two axes is the new
+# [d, heads·head_dim] kernel with the same values, so they load unchanged.
+_FLAT_OUT_KERNELS = ("q_proj/kernel", "k_proj/kernel", "v_proj/kernel")
+
+
+def _merged_head_axes(name: str, arr: np.ndarray, want: tuple[int, ...]) -> np.ndarray:
+    if (
+        name.endswith(_FLAT_OUT_KERNELS)
+        and arr.ndim == len(want) + 1
+        and tuple(arr.shape[:-2]) == want[:-1]
+        and arr.shape[-2] * arr.shape[-1] == want[-1]
+    ):
+        return arr.reshape(want)
+    return arr
 
 
 # -- sts.json: the confidence head's calibration -------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -312,6 +313,17 @@ class Projection(nn.Module):
 
     The kernel has shape ``in_shape + features`` and carries logical axis names
     ``in_axes + out_axes`` (built directly in that shape so the names always match).
+    With ``flat_out`` the output dims are stored merged, kernel ``in_shape +
+    (prod(features),)`` named ``in_axes + out_axes[:1]`` (the first output axis carries the
+    sharding: heads split over ``tensor`` in whole heads), and the result is reshaped to
+    ``features``.
+
+    Why ``flat_out`` for the q/k/v projections: a TPU array is tiled over its two minor
+    dims (``T(8,128)``). A ``[d, heads, head_dim]`` kernel is tiled over
+    ``(heads, head_dim)``, not the ``(d, out)`` tiles the MXU contracts over, so XLA:TPU
+    re-laid out every q/k/v kernel on every call: a copy of all of them each decode round
+    (0.6 GB per chip for Qwen3-8B at tensor = 4, ``benchmarks/roofline.py``). Stored
+    ``[d, heads·head_dim]`` (the row-major merge, values unchanged) they are read in place.
     """
 
     features: tuple[int, ...]
@@ -320,26 +332,30 @@ class Projection(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     init_scale: float = 0.02
+    flat_out: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         n_in = len(self.in_axes)
-        shape = tuple(x.shape[-n_in:]) + tuple(self.features)
+        features = tuple(self.features)
+        stored = (math.prod(features),) if self.flat_out else features
+        out_axes = self.out_axes[:1] if self.flat_out else self.out_axes
         kernel = self.param(
             "kernel",
             nn.with_logical_partitioning(
-                nn.initializers.normal(self.init_scale), self.in_axes + self.out_axes
+                nn.initializers.normal(self.init_scale), self.in_axes + out_axes
             ),
-            shape,
+            tuple(x.shape[-n_in:]) + stored,
             self.param_dtype,
         )
         contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        return jax.lax.dot_general(
+        y = jax.lax.dot_general(
             x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ()))
         )
+        return y.reshape(y.shape[:-1] + features) if self.flat_out else y
 
 
-def _dense(features, in_axis_names, out_axis_names, name, cfg: Qwen3Config):
+def _dense(features, in_axis_names, out_axis_names, name, cfg: Qwen3Config, flat_out=False):
     features = features if isinstance(features, tuple) else (features,)
     return Projection(
         features=features,
@@ -347,6 +363,7 @@ def _dense(features, in_axis_names, out_axis_names, name, cfg: Qwen3Config):
         out_axes=tuple(out_axis_names),
         dtype=cfg.compute_dtype,
         param_dtype=cfg.weight_dtype,
+        flat_out=flat_out,
         name=name,
     )
 
@@ -364,14 +381,16 @@ class SelfAttention(nn.Module):
     def setup(self):
         cfg = self.config
         hd = cfg.head_dim
+        # q/k/v kernels [d, heads·head_dim] (Projection.flat_out: the layout XLA:TPU
+        # multiplies in place); o stays [heads, head_dim, d], already tiled (head_dim, d).
         self.q_proj = _dense(
-            (cfg.num_attention_heads, hd), ("embed",), ("q_heads", "kv"), "q_proj", cfg
+            (cfg.num_attention_heads, hd), ("embed",), ("q_heads", "kv"), "q_proj", cfg, True
         )
         self.k_proj = _dense(
-            (cfg.num_key_value_heads, hd), ("embed",), ("kv_heads", "kv"), "k_proj", cfg
+            (cfg.num_key_value_heads, hd), ("embed",), ("kv_heads", "kv"), "k_proj", cfg, True
         )
         self.v_proj = _dense(
-            (cfg.num_key_value_heads, hd), ("embed",), ("kv_heads", "kv"), "v_proj", cfg
+            (cfg.num_key_value_heads, hd), ("embed",), ("kv_heads", "kv"), "v_proj", cfg, True
         )
         norm_kw = dict(eps=cfg.rms_norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype)
         self.q_norm = RMSNorm(axis_name="kv", **norm_kw)

@@ -283,4 +283,22 @@ def bytes_by_scope(hlo_text: str, depth: int = 4, top: int = 15) -> dict:
     return {"total": sum(by_scope.values()), "by_scope": dict(by_scope.most_common(top))}
 
 
-__all__ = ["bytes_by_scope", "instruction_bytes", "parse_hlo"]
+def parameter_relayouts(hlo_text: str) -> dict[str, int]:
+    """``{parameter path: bytes}`` for the parameters a program copies into another layout
+    before using them: executed (not fused-inside) copies, transposes and fusions whose JAX
+    name is the parameter's path (``params[0]['layers']...``), which is how XLA names a
+    copy it inserts on an entry parameter. Bytes as ``instruction_bytes``. A weight read in
+    place has none; each entry here rewrites that weight on every call."""
+    comps = parse_hlo(hlo_text)
+    out: Counter = Counter()
+    for comp in _executed(comps):
+        for instr in comp.instrs:
+            if instr.opcode not in ("copy", "fusion", "transpose"):
+                continue
+            m = _OP_NAME.search(instr.line)
+            if m and m.group(1).startswith("params["):
+                out[m.group(1).replace("\\'", "'")] += instruction_bytes(comps, comp, instr)
+    return dict(out)
+
+
+__all__ = ["bytes_by_scope", "instruction_bytes", "parameter_relayouts", "parse_hlo"]
