@@ -153,8 +153,9 @@ def test_tpu_kernel_lowers_inside_the_serving_round(kind):
 def test_serving_round_reads_every_weight_in_its_stored_layout():
     """XLA:TPU multiplies every weight where it lies: no copy of a parameter into another
     layout in the round (the unrolled program the roofline measures). q/k/v kernels stored
-    [d, heads, head_dim] were re-laid out on every call (tiled over (heads, head_dim), not
-    the (d, out) the MXU contracts); stored [d, heads·head_dim] they are not."""
+    [d, heads, head_dim] were re-laid out on every call (XLA computes them one matmul per
+    head, wanting each head's [d, head_dim] block contiguous); stored [heads, d, head_dim]
+    (Projection.heads_first) they are not."""
     from dspark_jax.models.presets import get_preset
     from dspark_jax.perf.hlo_bytes import parameter_relayouts
 

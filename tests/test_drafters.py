@@ -148,10 +148,12 @@ def test_config_json_roundtrip_and_resolve(tmp_path):
     assert DrafterConfig(kind="dspark", markov_rank=0, mask_token_id=1).resolve(TGT).head == "none"
 
 
-def test_qkv_kernels_are_2d_and_old_3d_drafter_files_still_load(tmp_path):
-    """q/k/v kernels are stored [d, heads·head_dim] (Projection.flat_out); a drafter file
-    written when they were [d, heads, head_dim] loads to the same values, and a tensor of
-    any other shape is still refused by name."""
+def test_qkv_kernels_are_heads_first_and_format_1_drafter_files_still_load(tmp_path):
+    """q/k/v kernels are stored [heads, d, head_dim] (Projection.heads_first); a drafter
+    directory of format 1, which stored them [d, heads, head_dim], loads to the same
+    values, and a tensor of any other shape or an unknown format is refused by name."""
+    import json
+
     from safetensors.numpy import load_file, save_file
 
     from dspark_jax.models.drafter_io import load_drafter, save_drafter
@@ -161,28 +163,33 @@ def test_qkv_kernels_are_2d_and_old_3d_drafter_files_still_load(tmp_path):
     d = make_drafter(cfg.resolve(TGT), TGT)
     params = nn.unbox(init_drafter_params(d, jax.random.key(0)))
     attn = params["backbone"]["layers_0"]["self_attn"]
-    hd = TGT.head_dim
-    assert attn["q_proj"]["kernel"].shape == (TGT.hidden_size, TGT.num_attention_heads * hd)
-    assert attn["k_proj"]["kernel"].shape == (TGT.hidden_size, TGT.num_key_value_heads * hd)
-    assert attn["o_proj"]["kernel"].shape == (TGT.num_attention_heads, hd, TGT.hidden_size)
+    D, hd, H, KV = TGT.hidden_size, TGT.head_dim, TGT.num_attention_heads, TGT.num_key_value_heads
+    assert attn["q_proj"]["kernel"].shape == (H, D, hd)
+    assert attn["k_proj"]["kernel"].shape == (KV, D, hd)
+    assert attn["o_proj"]["kernel"].shape == (H, hd, D)
 
-    save_drafter(tmp_path / "new", cfg, TGT, params)
-    weights = tmp_path / "new" / "model.safetensors"
-    tensors = load_file(str(weights))
-    old = dict(tensors)
+    out = tmp_path / "drafter"
+    save_drafter(out, cfg, TGT, params)
+    meta = json.loads((out / "drafter_config.json").read_text())
+    assert meta["format"] == 2
+    # Rewrite it as format 1 wrote it: q/k/v [d, heads, head_dim].
+    tensors = load_file(str(out / "model.safetensors"))
     for proj in ("q_proj", "k_proj", "v_proj"):
         name = f"backbone/layers_0/self_attn/{proj}/kernel"
-        old[name] = tensors[name].reshape(TGT.hidden_size, -1, hd)  # the old 3-D layout
-        assert old[name].ndim == 3
-    save_file(old, str(weights))
-    _, loaded = load_drafter(tmp_path / "new", TGT)
+        tensors[name] = np.ascontiguousarray(np.swapaxes(tensors[name], 0, 1))
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "drafter_config.json").write_text(json.dumps({**meta, "format": 1}))
+    _, loaded = load_drafter(out, TGT)
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-    old["backbone/layers_0/self_attn/k_proj/kernel"] = np.zeros((TGT.hidden_size, 3, hd))
-    save_file(old, str(weights))
+    tensors["backbone/layers_0/self_attn/k_proj/kernel"] = np.zeros((D, 3, hd), np.float32)
+    save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(ValueError, match=r"'backbone/layers_0/self_attn/k_proj/kernel' has shape"):
-        load_drafter(tmp_path / "new", TGT)
+        load_drafter(out, TGT)
+    (out / "drafter_config.json").write_text(json.dumps({**meta, "format": 7}))
+    with pytest.raises(ValueError, match=r"has format 7; this version reads formats 1, 2"):
+        load_drafter(out, TGT)
 
 
 @pytest.mark.parametrize(

@@ -13,15 +13,15 @@ layers, ``mask_token_id``, ``markov_rank`` / ``markov_head_type`` (``vanilla`` =
 ``confidence_head_with_markov``. ``num_anchors`` is a training-only setting (ignored).
 
 Tensor mapping (torch ``nn.Linear`` stores ``[out, in]``; we store input-major kernels and
-keep the o projection's heads as a separate axis)::
+keep attention heads as a separate axis)::
 
   fc.weight [d, m·d]                          -> backbone/fc/kernel [m·d, d]       (T)
   hidden_norm.weight, norm.weight [d]         -> backbone/{hidden_norm,norm}/scale
   layers.{i}.input_layernorm.weight           -> backbone/layers_{i}/input_layernorm/scale
   layers.{i}.post_attention_layernorm.weight  -> .../post_attention_layernorm/scale
   layers.{i}.self_attn.{q,k}_norm.weight [hd] -> .../self_attn/{q,k}_norm/scale
-  layers.{i}.self_attn.q_proj.weight [H·hd,d] -> .../self_attn/q_proj/kernel [d, H·hd] (T)
-  layers.{i}.self_attn.{k,v}_proj.weight      -> .../self_attn/{k,v}_proj/kernel [d, KV·hd] (T)
+  layers.{i}.self_attn.q_proj.weight [H·hd,d] -> .../self_attn/q_proj/kernel [H, d, hd]
+  layers.{i}.self_attn.{k,v}_proj.weight      -> .../self_attn/{k,v}_proj/kernel [KV, d, hd]
   layers.{i}.self_attn.o_proj.weight [d,H·hd] -> .../self_attn/o_proj/kernel [H, hd, d]
   layers.{i}.mlp.{gate,up,down}_proj.weight   -> .../mlp/{gate,up,down}_proj/kernel  (T)
   markov_head.markov_w1.weight [V, r]         -> markov_head/markov_w1 [V, r]   (Embedding)

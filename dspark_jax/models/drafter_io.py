@@ -2,14 +2,16 @@
 
 Layout of ``<dir>``:
 
-* ``drafter_config.json``: ``{"format": 1, "drafter": DrafterConfig fields, "target":
+* ``drafter_config.json``: ``{"format": 2, "drafter": DrafterConfig fields, "target":
   {"vocab_size", "hidden_size", "num_hidden_layers", "weights"}}``. The target entry is what
   the drafter's embedding / LM-head / tap shapes were built for, and ``weights`` the
   trained-against target's ``models.fingerprint.weights_fingerprint``; loading against
   another target (other shapes, or the same shapes with other weights) is an error that
   names both values. Drafters saved before ``weights`` existed load without that check.
 * ``model.safetensors``: the flattened (unboxed) parameter tree, keys joined with ``/``
-  (e.g. ``backbone/layer/attn/q_proj/kernel``), float32 or bfloat16.
+  (e.g. ``backbone/layer/attn/q_proj/kernel``), float32 or bfloat16. Format 2 stores the
+  q/k/v kernels ``[heads, d, head_dim]`` (``models.qwen3.Projection.heads_first``); format 1
+  files, ``[d, heads, head_dim]``, load with those axes swapped.
 * ``sts.json`` (optional): the confidence head's calibration (``eval.calibration`` fits
   it; ``load_sts`` reads it for the decoder and the engine), ``sts_data.npz`` beside it the
   labels it was fitted on.
@@ -48,7 +50,9 @@ __all__ = [
 
 CONFIG_NAME = "drafter_config.json"
 WEIGHTS_NAME = "model.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Older formats this version still reads (converted on load: ``_from_format``).
+_READS_FORMATS = (1, 2)
 _TARGET_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers")
 STS_FILENAME = "sts.json"
 
@@ -159,9 +163,10 @@ def load_drafter(
         raise ValueError(f"{config_path} is not valid JSON: {e}") from e
     if not isinstance(meta, dict) or "drafter" not in meta or "target" not in meta:
         raise ValueError(f"{config_path} must hold 'drafter' and 'target' entries")
-    if meta.get("format") != FORMAT_VERSION:
+    if meta.get("format") not in _READS_FORMATS:
         raise ValueError(
-            f"{config_path} has format {meta.get('format')!r}; this version reads {FORMAT_VERSION}"
+            f"{config_path} has format {meta.get('format')!r}; this version reads formats "
+            f"{', '.join(map(str, _READS_FORMATS))}"
         )
     for key in _TARGET_SHAPE_KEYS:
         want, have = meta["target"].get(key), getattr(target_config, key)
@@ -194,7 +199,7 @@ def load_drafter(
         )
     params = {}
     for name, spec in expected.items():
-        arr = _merged_head_axes(name, loaded[name], tuple(spec.shape))
+        arr = _from_format(meta["format"], name, loaded[name])
         if tuple(arr.shape) != tuple(spec.shape):
             raise ValueError(
                 f"{weights_path}: tensor {name!r} has shape {tuple(arr.shape)}, expected "
@@ -204,20 +209,14 @@ def load_drafter(
     return module, _unflatten(params)
 
 
-# Files written before the q/k/v kernels went 2-D (``models.qwen3.Projection.flat_out``)
-# hold them as [d, heads, head_dim]; the row-major merge of the last two axes is the new
-# [d, heads·head_dim] kernel with the same values, so they load unchanged.
-_FLAT_OUT_KERNELS = ("q_proj/kernel", "k_proj/kernel", "v_proj/kernel")
+_HEADS_FIRST_KERNELS = ("q_proj/kernel", "k_proj/kernel", "v_proj/kernel")
 
 
-def _merged_head_axes(name: str, arr: np.ndarray, want: tuple[int, ...]) -> np.ndarray:
-    if (
-        name.endswith(_FLAT_OUT_KERNELS)
-        and arr.ndim == len(want) + 1
-        and tuple(arr.shape[:-2]) == want[:-1]
-        and arr.shape[-2] * arr.shape[-1] == want[-1]
-    ):
-        return arr.reshape(want)
+def _from_format(fmt: int, name: str, arr: np.ndarray) -> np.ndarray:
+    """A tensor of a format-``fmt`` file in this version's layout: format 1 stored the q/k/v
+    kernels ``[d, heads, head_dim]``, format 2 ``[heads, d, head_dim]`` (same values)."""
+    if fmt == 1 and name.endswith(_HEADS_FIRST_KERNELS) and arr.ndim == 3:
+        return np.swapaxes(arr, 0, 1)
     return arr
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -313,17 +312,18 @@ class Projection(nn.Module):
 
     The kernel has shape ``in_shape + features`` and carries logical axis names
     ``in_axes + out_axes`` (built directly in that shape so the names always match).
-    With ``flat_out`` the output dims are stored merged, kernel ``in_shape +
-    (prod(features),)`` named ``in_axes + out_axes[:1]`` (the first output axis carries the
-    sharding: heads split over ``tensor`` in whole heads), and the result is reshaped to
-    ``features``.
+    With ``heads_first`` the first output dim (the heads) leads instead: kernel
+    ``(features[0],) + in_shape + features[1:]`` named ``(out_axes[0],) + in_axes +
+    out_axes[1:]``; the result is the same ``[..., *features]``.
 
-    Why ``flat_out`` for the q/k/v projections: a TPU array is tiled over its two minor
-    dims (``T(8,128)``). A ``[d, heads, head_dim]`` kernel is tiled over
-    ``(heads, head_dim)``, not the ``(d, out)`` tiles the MXU contracts over, so XLA:TPU
-    re-laid out every q/k/v kernel on every call: a copy of all of them each decode round
-    (0.6 GB per chip for Qwen3-8B at tensor = 4, ``benchmarks/roofline.py``). Stored
-    ``[d, heads·head_dim]`` (the row-major merge, values unchanged) they are read in place.
+    Why ``heads_first`` for the q/k/v projections: a TPU array is tiled over its two minor
+    dims (``T(8,128)``) and XLA:TPU computes q/k/v as one matmul per head, producing them
+    head-major for the attention that follows. That wants each head's ``[d, head_dim]``
+    block contiguous. A ``[d, heads, head_dim]`` kernel is not, so XLA re-laid out every
+    q/k/v kernel on every call, and a ``[d, heads·head_dim]`` one it transposed per layer:
+    either way a copy of all of them each decode round (0.6-0.9 GB per chip for Qwen3-8B at
+    tensor = 4, ``benchmarks/roofline.py``; ``perf.hlo_bytes.parameter_relayouts``). Stored
+    ``[heads, d, head_dim]`` they are read in place.
     """
 
     features: tuple[int, ...]
@@ -332,30 +332,34 @@ class Projection(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     init_scale: float = 0.02
-    flat_out: bool = False
+    heads_first: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         n_in = len(self.in_axes)
         features = tuple(self.features)
-        stored = (math.prod(features),) if self.flat_out else features
-        out_axes = self.out_axes[:1] if self.flat_out else self.out_axes
+        in_shape = tuple(x.shape[-n_in:])
+        if self.heads_first:
+            shape = features[:1] + in_shape + features[1:]
+            names = self.out_axes[:1] + self.in_axes + self.out_axes[1:]
+            contracted = tuple(range(1, 1 + n_in))
+        else:
+            shape, names = in_shape + features, self.in_axes + self.out_axes
+            contracted = tuple(range(n_in))
         kernel = self.param(
             "kernel",
-            nn.with_logical_partitioning(
-                nn.initializers.normal(self.init_scale), self.in_axes + out_axes
-            ),
-            tuple(x.shape[-n_in:]) + stored,
+            nn.with_logical_partitioning(nn.initializers.normal(self.init_scale), names),
+            shape,
             self.param_dtype,
         )
-        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        y = jax.lax.dot_general(
+        contract = (tuple(range(x.ndim - n_in, x.ndim)), contracted)
+        # Output dims: x's free dims, then the kernel's free dims in order (heads, ...).
+        return jax.lax.dot_general(
             x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ()))
         )
-        return y.reshape(y.shape[:-1] + features) if self.flat_out else y
 
 
-def _dense(features, in_axis_names, out_axis_names, name, cfg: Qwen3Config, flat_out=False):
+def _dense(features, in_axis_names, out_axis_names, name, cfg: Qwen3Config, heads_first=False):
     features = features if isinstance(features, tuple) else (features,)
     return Projection(
         features=features,
@@ -363,7 +367,7 @@ def _dense(features, in_axis_names, out_axis_names, name, cfg: Qwen3Config, flat
         out_axes=tuple(out_axis_names),
         dtype=cfg.compute_dtype,
         param_dtype=cfg.weight_dtype,
-        flat_out=flat_out,
+        heads_first=heads_first,
         name=name,
     )
 
@@ -381,8 +385,8 @@ class SelfAttention(nn.Module):
     def setup(self):
         cfg = self.config
         hd = cfg.head_dim
-        # q/k/v kernels [d, heads·head_dim] (Projection.flat_out: the layout XLA:TPU
-        # multiplies in place); o stays [heads, head_dim, d], already tiled (head_dim, d).
+        # q/k/v kernels [heads, d, head_dim] (Projection.heads_first: the layout XLA:TPU
+        # multiplies in place); o stays [heads, head_dim, d], already read in place.
         self.q_proj = _dense(
             (cfg.num_attention_heads, hd), ("embed",), ("q_heads", "kv"), "q_proj", cfg, True
         )
