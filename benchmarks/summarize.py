@@ -531,8 +531,15 @@ def paged_section() -> list[str]:
             *rows,
             "",
         ]
+    # Each CPU round-time file compares this tree with the revision a layout change started
+    # from: round_time.md the paged cache, round_time_qkv_layout.md the heads-first q/k/v.
+    round_titles = {
+        "round_time.md": "## CPU round time before and after the paged cache",
+        "round_time_ctx128.md": "## CPU round time before and after the paged cache (short contexts)",
+        "round_time_qkv_layout.md": "## CPU round time before and after heads-first q/k/v weights",
+    }
     for path, title in [
-        *((p, "## CPU round time before and after the paged cache")
+        *((p, round_titles.get(p.name, "## CPU round time against an earlier revision"))
           for p in sorted(RESULTS.glob("round_time*.md"))),
         (RESULTS / "kv_memory.md", "## Decode-state memory vs the KV page pool"),
     ]:  # fmt: skip
