@@ -508,7 +508,7 @@ def paged_section() -> list[str]:
             rows.append(
                 f"| {new['topology']} tensor {new['tensor']} | {new.get('drafter_kind', 'dspark')} "
                 f"| {r['B']} | {b['bytes'] / 1e9:.1f} | {r['bytes'] / 1e9:.1f} | "
-                f"{b['bytes_over_floor']:.1f} | {r['bytes_over_floor']:.1f} | "
+                f"{b['bytes_over_floor']:.2f} | {r['bytes_over_floor']:.2f} | "
                 f"{b['sps_over_sps_R']:.2f} | {r['sps_over_sps_R']:.2f} | "
                 f"{b['peak_memory_bytes'] / 1e9:.1f} | {r['peak_memory_bytes'] / 1e9:.1f} |"
             )

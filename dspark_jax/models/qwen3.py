@@ -321,9 +321,11 @@ class Projection(nn.Module):
     head-major for the attention that follows. That wants each head's ``[d, head_dim]``
     block contiguous. A ``[d, heads, head_dim]`` kernel is not, so XLA re-laid out every
     q/k/v kernel on every call, and a ``[d, heads·head_dim]`` one it transposed per layer:
-    either way a copy of all of them each decode round (0.6-0.9 GB per chip for Qwen3-8B at
+    either way a copy of all of them each decode round (0.9 GB per chip for Qwen3-8B at
     tensor = 4, ``benchmarks/roofline.py``; ``perf.hlo_bytes.parameter_relayouts``). Stored
-    ``[heads, d, head_dim]`` they are read in place.
+    ``[heads, d, head_dim]`` they are read in place at every verify bucket but the largest:
+    there (B = R(γ+1)) XLA:TPU still wants each head's block transposed and copies q and k
+    (0.75 GB at tensor = 4).
     """
 
     features: tuple[int, ...]
