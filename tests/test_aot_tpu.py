@@ -152,20 +152,25 @@ def test_tpu_kernel_lowers_inside_the_serving_round(kind):
 @needs_libtpu
 def test_serving_round_reads_every_weight_in_its_stored_layout():
     """XLA:TPU multiplies every weight where it lies: no copy of a parameter into another
-    layout in the round (the unrolled program the roofline measures). q/k/v kernels stored
-    [d, heads, head_dim] were re-laid out on every call (XLA computes them one matmul per
-    head, wanting each head's [d, head_dim] block contiguous); stored [heads, d, head_dim]
-    (Projection.heads_first) they are not."""
+    layout in the round (the unrolled program the roofline measures), at a small and a
+    large batch. q/k/v kernels stored [d, heads, head_dim] were re-laid out on every call
+    (XLA computes them one matmul per head, wanting each head's block contiguous), and
+    [heads, d, head_dim] at large batches (copied to contraction-minor); stored
+    [heads, head_dim, d] (Projection.out_first) they are not."""
     from dspark_jax.models.presets import get_preset
     from dspark_jax.perf.hlo_bytes import parameter_relayouts
 
     mesh = aot.aot_mesh("1,1,4", topology="v5e:2x2")
+    # d = 512: with the tiny preset's d = 64 the old layouts were not copied either.
     tgt = get_preset("tiny").replace(
-        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
-        scan_layers=False,
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=128, scan_layers=False,
     )  # fmt: skip
-    _, compiled = aot.compile_serve_round(tgt, None, mesh, slots=4, max_len=64, scheduler="none")
-    assert parameter_relayouts(compiled.as_text()) == {}
+    for slots in (4, 64):
+        _, compiled = aot.compile_serve_round(
+            tgt, None, mesh, slots=slots, max_len=64, scheduler="none"
+        )
+        assert parameter_relayouts(compiled.as_text()) == {}, slots
 
 
 @needs_libtpu

@@ -84,9 +84,9 @@ def test_layout_matches_torch_linear_convention():
     i, h, j, layer_idx = 5, 3, 6, 1
     q = sd[f"model.layers.{layer_idx}.self_attn.q_proj.weight"]
     assert q.shape == (cfg.num_attention_heads * hd, d)
-    assert q[h * hd + j, i] == layer["self_attn"]["q_proj"]["kernel"][layer_idx, h, i, j]
+    assert q[h * hd + j, i] == layer["self_attn"]["q_proj"]["kernel"][layer_idx, h, j, i]
     k = sd[f"model.layers.{layer_idx}.self_attn.k_proj.weight"]
-    assert k[1 * hd + j, i] == layer["self_attn"]["k_proj"]["kernel"][layer_idx, 1, i, j]
+    assert k[1 * hd + j, i] == layer["self_attn"]["k_proj"]["kernel"][layer_idx, 1, j, i]
     o = sd[f"model.layers.{layer_idx}.self_attn.o_proj.weight"]
     assert o[i, h * hd + j] == layer["self_attn"]["o_proj"]["kernel"][layer_idx, h, j, i]
     down = sd[f"model.layers.{layer_idx}.mlp.down_proj.weight"]

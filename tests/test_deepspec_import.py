@@ -386,8 +386,8 @@ def test_sharded_checkpoint_and_bf16(tmp_path):
     cfg, params = load_deepspec_drafter(tmp_path, TGT, dtype="bfloat16")
     assert cfg.kind == "dflash"
     q = params["backbone"]["layers_1"]["self_attn"]["q_proj"]["kernel"]
-    assert q.shape == (H, D, HD) and q.dtype.name == "bfloat16"
-    want = state["layers.1.self_attn.q_proj.weight"].reshape(H, HD, D).transpose(0, 2, 1)
+    assert q.shape == (H, HD, D) and q.dtype.name == "bfloat16"
+    want = state["layers.1.self_attn.q_proj.weight"].reshape(H, HD, D)
     np.testing.assert_allclose(q.astype(np.float32), want, rtol=1e-2, atol=1e-2)
 
 

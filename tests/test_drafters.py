@@ -148,10 +148,11 @@ def test_config_json_roundtrip_and_resolve(tmp_path):
     assert DrafterConfig(kind="dspark", markov_rank=0, mask_token_id=1).resolve(TGT).head == "none"
 
 
-def test_qkv_kernels_are_heads_first_and_format_1_drafter_files_still_load(tmp_path):
-    """q/k/v kernels are stored [heads, d, head_dim] (Projection.heads_first); a drafter
-    directory of format 1, which stored them [d, heads, head_dim], loads to the same
-    values, and a tensor of any other shape or an unknown format is refused by name."""
+def test_qkv_kernels_are_out_first_and_older_drafter_files_still_load(tmp_path):
+    """q/k/v kernels are stored [heads, head_dim, d] (Projection.out_first); drafter
+    directories of format 1 ([d, heads, head_dim]) and format 2 ([heads, d, head_dim])
+    load to the same values, and a tensor of any other shape or an unknown format is
+    refused by name."""
     import json
 
     from safetensors.numpy import load_file, save_file
@@ -164,31 +165,35 @@ def test_qkv_kernels_are_heads_first_and_format_1_drafter_files_still_load(tmp_p
     params = nn.unbox(init_drafter_params(d, jax.random.key(0)))
     attn = params["backbone"]["layers_0"]["self_attn"]
     D, hd, H, KV = TGT.hidden_size, TGT.head_dim, TGT.num_attention_heads, TGT.num_key_value_heads
-    assert attn["q_proj"]["kernel"].shape == (H, D, hd)
-    assert attn["k_proj"]["kernel"].shape == (KV, D, hd)
+    assert D != hd  # so a swapped layout cannot pass for the right one
+    assert attn["q_proj"]["kernel"].shape == (H, hd, D)
+    assert attn["k_proj"]["kernel"].shape == (KV, hd, D)
+    assert attn["v_proj"]["kernel"].shape == (KV, hd, D)
     assert attn["o_proj"]["kernel"].shape == (H, hd, D)
 
     out = tmp_path / "drafter"
     save_drafter(out, cfg, TGT, params)
     meta = json.loads((out / "drafter_config.json").read_text())
-    assert meta["format"] == 2
-    # Rewrite it as format 1 wrote it: q/k/v [d, heads, head_dim].
-    tensors = load_file(str(out / "model.safetensors"))
-    for proj in ("q_proj", "k_proj", "v_proj"):
-        name = f"backbone/layers_0/self_attn/{proj}/kernel"
-        tensors[name] = np.ascontiguousarray(np.swapaxes(tensors[name], 0, 1))
-    save_file(tensors, str(out / "model.safetensors"))
-    (out / "drafter_config.json").write_text(json.dumps({**meta, "format": 1}))
-    _, loaded = load_drafter(out, TGT)
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert meta["format"] == 3
+    current = load_file(str(out / "model.safetensors"))
+    # Rewrite it as formats 1 and 2 wrote it: q/k/v [d, heads, head_dim], [heads, d, head_dim].
+    for fmt, axes in ((1, (2, 0, 1)), (2, (0, 2, 1))):
+        tensors = dict(current)
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            name = f"backbone/layers_0/self_attn/{proj}/kernel"
+            tensors[name] = np.ascontiguousarray(np.transpose(current[name], axes))
+        save_file(tensors, str(out / "model.safetensors"))
+        (out / "drafter_config.json").write_text(json.dumps({**meta, "format": fmt}))
+        _, loaded = load_drafter(out, TGT)
+        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-    tensors["backbone/layers_0/self_attn/k_proj/kernel"] = np.zeros((D, 3, hd), np.float32)
+    tensors["backbone/layers_0/self_attn/k_proj/kernel"] = np.zeros((KV, 3, hd), np.float32)
     save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(ValueError, match=r"'backbone/layers_0/self_attn/k_proj/kernel' has shape"):
         load_drafter(out, TGT)
     (out / "drafter_config.json").write_text(json.dumps({**meta, "format": 7}))
-    with pytest.raises(ValueError, match=r"has format 7; this version reads formats 1, 2"):
+    with pytest.raises(ValueError, match=r"has format 7; this version reads formats 1, 2, 3"):
         load_drafter(out, TGT)
 
 

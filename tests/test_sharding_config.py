@@ -57,7 +57,7 @@ def test_sharded_forward_equals_single_device():
     ):
         assert leaf.sharding.spec == sh.logical_to_spec(leaf_names, leaf.shape, mesh)
     q = params["layers"]["layer"]["self_attn"]["q_proj"]["kernel"]
-    assert q.sharding.spec == P(None, "tensor", "fsdp", None)
+    assert q.sharding.spec == P(None, "tensor", None, "fsdp")
 
     with jax.set_mesh(mesh), sh.rules_context(mesh):
         out = jax.jit(lambda p, t: model.apply({"params": p}, t))(

@@ -7,9 +7,10 @@ Our parameter tree differs from the HF state dict in three ways:
 * decoder layers are stacked under ``params["layers"]["layer"]`` with a leading layer axis
   (the model scans over layers);
 * projections are stored input-major (``x @ kernel``) where torch ``nn.Linear`` stores
-  ``[out, in]``, and attention projections keep the head axis separate: q/k/v kernels are
-  ``[heads, d, head_dim]`` (heads first: the layout XLA:TPU multiplies in place,
-  ``models.qwen3.Projection``) and the o kernel is ``[heads, head_dim, d]``;
+  ``[out, in]``, and attention projections keep the head axis separate. The exception is
+  q/k/v: their kernels are ``[heads, head_dim, d]``, torch's ``[out, in]`` with the head
+  axis split off (the layout XLA:TPU multiplies in place, ``models.qwen3.Projection``);
+  the o kernel is ``[heads, head_dim, d]``;
 * RMSNorm weights are called ``scale`` and the embedding table ``embedding``.
 
 Everything here works on host numpy arrays (bf16 through ``ml_dtypes``, which jax ships),
@@ -106,18 +107,19 @@ class LayerTensor:
 
 def decoder_layer_tensors(cfg: Qwen3Config) -> list[LayerTensor]:
     """The tensors of one decoder layer of width/heads ``cfg`` (the layout changes are in
-    the module docstring: input-major kernels, a separate head axis, ``scale`` norms)."""
+    the module docstring: input-major kernels but q/k/v, a separate head axis, ``scale``
+    norms)."""
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     same, t = (lambda w: w), (lambda w: w.T)
     out = [
-        # HF [heads*head_dim, d] <-> ours [heads, d, head_dim]
+        # HF [heads*head_dim, d] <-> ours [heads, head_dim, d]
         LayerTensor(
             f"self_attn.{proj}.weight",
             ("self_attn", proj, "kernel"),
             (heads * hd, d),
-            lambda w, h=heads: w.reshape(h, hd, d).transpose(0, 2, 1),
-            lambda k: k.transpose(0, 2, 1).reshape(-1, d),
+            lambda w, h=heads: w.reshape(h, hd, d),
+            lambda k: k.reshape(-1, d),
         )
         for proj, heads in (("q_proj", nh), ("k_proj", nkv), ("v_proj", nkv))
     ]

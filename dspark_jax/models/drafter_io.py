@@ -2,16 +2,17 @@
 
 Layout of ``<dir>``:
 
-* ``drafter_config.json``: ``{"format": 2, "drafter": DrafterConfig fields, "target":
+* ``drafter_config.json``: ``{"format": 3, "drafter": DrafterConfig fields, "target":
   {"vocab_size", "hidden_size", "num_hidden_layers", "weights"}}``. The target entry is what
   the drafter's embedding / LM-head / tap shapes were built for, and ``weights`` the
   trained-against target's ``models.fingerprint.weights_fingerprint``; loading against
   another target (other shapes, or the same shapes with other weights) is an error that
   names both values. Drafters saved before ``weights`` existed load without that check.
 * ``model.safetensors``: the flattened (unboxed) parameter tree, keys joined with ``/``
-  (e.g. ``backbone/layer/attn/q_proj/kernel``), float32 or bfloat16. Format 2 stores the
-  q/k/v kernels ``[heads, d, head_dim]`` (``models.qwen3.Projection.heads_first``); format 1
-  files, ``[d, heads, head_dim]``, load with those axes swapped.
+  (e.g. ``backbone/layer/attn/q_proj/kernel``), float32 or bfloat16. Format 3 stores the
+  q/k/v kernels ``[heads, head_dim, d]`` (``models.qwen3.Projection.out_first``); files of
+  format 1 (``[d, heads, head_dim]``) and 2 (``[heads, d, head_dim]``) load with the axes
+  moved.
 * ``sts.json`` (optional): the confidence head's calibration (``eval.calibration`` fits
   it; ``load_sts`` reads it for the decoder and the engine), ``sts_data.npz`` beside it the
   labels it was fitted on.
@@ -50,9 +51,9 @@ __all__ = [
 
 CONFIG_NAME = "drafter_config.json"
 WEIGHTS_NAME = "model.safetensors"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # Older formats this version still reads (converted on load: ``_from_format``).
-_READS_FORMATS = (1, 2)
+_READS_FORMATS = (1, 2, 3)
 _TARGET_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers")
 STS_FILENAME = "sts.json"
 
@@ -209,14 +210,17 @@ def load_drafter(
     return module, _unflatten(params)
 
 
-_HEADS_FIRST_KERNELS = ("q_proj/kernel", "k_proj/kernel", "v_proj/kernel")
+_QKV_KERNELS = ("q_proj/kernel", "k_proj/kernel", "v_proj/kernel")
+# Where format 1 and 2 kept a q/k/v kernel's axes, as a permutation to [heads, head_dim, d].
+_QKV_AXES = {1: (1, 2, 0), 2: (0, 2, 1)}
 
 
 def _from_format(fmt: int, name: str, arr: np.ndarray) -> np.ndarray:
     """A tensor of a format-``fmt`` file in this version's layout: format 1 stored the q/k/v
-    kernels ``[d, heads, head_dim]``, format 2 ``[heads, d, head_dim]`` (same values)."""
-    if fmt == 1 and name.endswith(_HEADS_FIRST_KERNELS) and arr.ndim == 3:
-        return np.swapaxes(arr, 0, 1)
+    kernels ``[d, heads, head_dim]``, format 2 ``[heads, d, head_dim]``, format 3
+    ``[heads, head_dim, d]`` (same values)."""
+    if fmt in _QKV_AXES and name.endswith(_QKV_KERNELS) and arr.ndim == 3:
+        return np.transpose(arr, _QKV_AXES[fmt])
     return arr
 
 

@@ -312,20 +312,20 @@ class Projection(nn.Module):
 
     The kernel has shape ``in_shape + features`` and carries logical axis names
     ``in_axes + out_axes`` (built directly in that shape so the names always match).
-    With ``heads_first`` the first output dim (the heads) leads instead: kernel
-    ``(features[0],) + in_shape + features[1:]`` named ``(out_axes[0],) + in_axes +
-    out_axes[1:]``; the result is the same ``[..., *features]``.
+    With ``out_first`` the output dims lead instead, as torch's ``nn.Linear`` stores its
+    weight ``[out, in]``: kernel ``features + in_shape`` named ``out_axes + in_axes``; the
+    result is the same ``[..., *features]``.
 
-    Why ``heads_first`` for the q/k/v projections: a TPU array is tiled over its two minor
-    dims (``T(8,128)``) and XLA:TPU computes q/k/v as one matmul per head, producing them
-    head-major for the attention that follows. That wants each head's ``[d, head_dim]``
-    block contiguous. A ``[d, heads, head_dim]`` kernel is not, so XLA re-laid out every
-    q/k/v kernel on every call, and a ``[d, heads·head_dim]`` one it transposed per layer:
-    either way a copy of all of them each decode round (0.9 GB per chip for Qwen3-8B at
-    tensor = 4, ``benchmarks/roofline.py``; ``perf.hlo_bytes.parameter_relayouts``). Stored
-    ``[heads, d, head_dim]`` they are read in place at every verify bucket but the largest:
-    there (B = R(γ+1)) XLA:TPU still wants each head's block transposed and copies q and k
-    (0.75 GB at tensor = 4).
+    Why ``out_first`` for the q/k/v projections (kernel ``[heads, head_dim, d]``): a TPU
+    array is tiled over its two minor dims (``T(8,128)``) and XLA:TPU computes q/k/v as
+    one matmul per head, so each head's block must be contiguous, and the contraction dim
+    ``d`` minor is the layout it picks when it may choose. Stored ``[d, heads, head_dim]``
+    every q/k/v kernel was re-laid out on every call (0.9 GB per chip per round for
+    Qwen3-8B at tensor = 4, ``benchmarks/roofline.py``;
+    ``perf.hlo_bytes.parameter_relayouts``); ``[heads, d, head_dim]`` was read in place
+    at small verify buckets but copied to ``[heads, head_dim, d]`` at the largest (0.75
+    GB); ``[heads, head_dim, d]`` is read in place at every bucket. It is also the Hugging
+    Face layout (``q_proj.weight`` is ``[heads·head_dim, d]``), so conversion is a reshape.
     """
 
     features: tuple[int, ...]
@@ -334,17 +334,16 @@ class Projection(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     init_scale: float = 0.02
-    heads_first: bool = False
+    out_first: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         n_in = len(self.in_axes)
         features = tuple(self.features)
         in_shape = tuple(x.shape[-n_in:])
-        if self.heads_first:
-            shape = features[:1] + in_shape + features[1:]
-            names = self.out_axes[:1] + self.in_axes + self.out_axes[1:]
-            contracted = tuple(range(1, 1 + n_in))
+        if self.out_first:
+            shape, names = features + in_shape, self.out_axes + self.in_axes
+            contracted = tuple(range(len(features), len(features) + n_in))
         else:
             shape, names = in_shape + features, self.in_axes + self.out_axes
             contracted = tuple(range(n_in))
@@ -355,13 +354,13 @@ class Projection(nn.Module):
             self.param_dtype,
         )
         contract = (tuple(range(x.ndim - n_in, x.ndim)), contracted)
-        # Output dims: x's free dims, then the kernel's free dims in order (heads, ...).
+        # Output dims: x's free dims, then the kernel's free dims in order (= features).
         return jax.lax.dot_general(
             x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ()))
         )
 
 
-def _dense(features, in_axis_names, out_axis_names, name, cfg: Qwen3Config, heads_first=False):
+def _dense(features, in_axis_names, out_axis_names, name, cfg: Qwen3Config, out_first=False):
     features = features if isinstance(features, tuple) else (features,)
     return Projection(
         features=features,
@@ -369,7 +368,7 @@ def _dense(features, in_axis_names, out_axis_names, name, cfg: Qwen3Config, head
         out_axes=tuple(out_axis_names),
         dtype=cfg.compute_dtype,
         param_dtype=cfg.weight_dtype,
-        heads_first=heads_first,
+        out_first=out_first,
         name=name,
     )
 
@@ -387,8 +386,8 @@ class SelfAttention(nn.Module):
     def setup(self):
         cfg = self.config
         hd = cfg.head_dim
-        # q/k/v kernels [heads, d, head_dim] (Projection.heads_first: the layout XLA:TPU
-        # multiplies in place); o stays [heads, head_dim, d], already read in place.
+        # q/k/v kernels [heads, head_dim, d] (Projection.out_first: the layout XLA:TPU
+        # multiplies in place at every bucket); o stays [heads, head_dim, d], read in place.
         self.q_proj = _dense(
             (cfg.num_attention_heads, hd), ("embed",), ("q_heads", "kv"), "q_proj", cfg, True
         )
