@@ -490,12 +490,18 @@ def training_memory_section() -> list[str]:
     )
 
 
-def paged_section() -> list[str]:
-    """The paged KV cache: roofline before (dense gather, kept in
-    results/dense_gather_baseline/) and after, CPU round time before/after, memory."""
-    out = []
+_BEFORE_AFTER_HEADER = [
+    "| topology | drafter | B | bytes before GB | after GB | / floor before | after "
+    "| SPS(B)/SPS(R) before | after | peak memory before GB | after GB |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+]
+
+
+def _roofline_before_after_rows(baseline: pathlib.Path) -> list[str]:
+    """One table row per bucket present in both a baseline roofline file (kept under
+    ``baseline/``) and today's file of the same name in results/."""
     rows = []
-    for old_path in sorted((RESULTS / "dense_gather_baseline").glob("roofline_*.json")):
+    for old_path in sorted(baseline.glob("roofline_*.json")):
         new_path = RESULTS / old_path.name
         if not new_path.is_file():
             continue
@@ -507,11 +513,52 @@ def paged_section() -> list[str]:
                 continue
             rows.append(
                 f"| {new['topology']} tensor {new['tensor']} | {new.get('drafter_kind', 'dspark')} "
-                f"| {r['B']} | {b['bytes'] / 1e9:.1f} | {r['bytes'] / 1e9:.1f} | "
+                f"| {r['B']} | {b['bytes'] / 1e9:.2f} | {r['bytes'] / 1e9:.2f} | "
                 f"{b['bytes_over_floor']:.2f} | {r['bytes_over_floor']:.2f} | "
                 f"{b['sps_over_sps_R']:.2f} | {r['sps_over_sps_R']:.2f} | "
                 f"{b['peak_memory_bytes'] / 1e9:.1f} | {r['peak_memory_bytes'] / 1e9:.1f} |"
             )
+    return rows
+
+
+def qkv_layout_section() -> list[str]:
+    """The q/k/v weight layout: roofline before (``[d, heads, head_dim]`` kernels, kept in
+    results/qkv_layout_baseline/) and after (``[heads, head_dim, d]``)."""
+    rows = _roofline_before_after_rows(RESULTS / "qkv_layout_baseline")
+    if not rows:
+        return []
+    relayouts = []
+    for path in sorted((RESULTS / "qkv_layout_baseline").glob("roofline_*.json")):
+        new_path = RESULTS / path.name
+        if new_path.is_file():
+            new = json.loads(new_path.read_text())
+            moved = max(sum(r.get("parameter_relayouts", {}).values()) for r in new["rows"])
+            relayouts.append(f"{path.stem.removeprefix('roofline_')}: {moved / 1e9:.2f} GB")
+    return [
+        "## q/k/v weight layout: the roofline before and after",
+        "",
+        "Before: q/k/v kernels stored `[d, heads, head_dim]`, which XLA:TPU copied into "
+        "another layout on every round (results in `benchmarks/results/qkv_layout_baseline/`, "
+        "the same `benchmarks/roofline.py` commands at commit 13c8d31). After: stored "
+        "`[heads, head_dim, d]` (`models.qwen3.Projection.out_first`). Per chip, Qwen3-8B, "
+        "R = 64, max_len = 4096, every slot full.",
+        "",
+        *_BEFORE_AFTER_HEADER,
+        *rows,
+        "",
+        "Weights still copied into another layout at any bucket after the change "
+        "(`perf.hlo_bytes.parameter_relayouts`, largest over the buckets): "
+        + "; ".join(relayouts)
+        + ".",
+        "",
+    ]
+
+
+def paged_section() -> list[str]:
+    """The paged KV cache: roofline before (dense gather, kept in
+    results/dense_gather_baseline/) and after, CPU round time before/after, memory."""
+    out = []
+    rows = _roofline_before_after_rows(RESULTS / "dense_gather_baseline")
     if rows:
         out += [
             "## Paged KV cache and ragged verify attention: the roofline before and after",
@@ -525,18 +572,17 @@ def paged_section() -> list[str]:
             "(`ops.paged_attention.block_attention`). Per chip, Qwen3-8B, R = 64, "
             "max_len = 4096, every slot full.",
             "",
-            "| topology | drafter | B | bytes before GB | after GB | / floor before | after "
-            "| SPS(B)/SPS(R) before | after | peak memory before GB | after GB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            *_BEFORE_AFTER_HEADER,
             *rows,
             "",
         ]
     # Each CPU round-time file compares this tree with the revision a layout change started
-    # from: round_time.md the paged cache, round_time_qkv_layout.md the heads-first q/k/v.
+    # from: round_time.md the paged cache, round_time_qkv_layout.md the q/k/v
+    # weights stored [heads, head_dim, d].
     round_titles = {
         "round_time.md": "## CPU round time before and after the paged cache",
         "round_time_ctx128.md": "## CPU round time before and after the paged cache (short contexts)",
-        "round_time_qkv_layout.md": "## CPU round time before and after heads-first q/k/v weights",
+        "round_time_qkv_layout.md": "## CPU round time before and after the q/k/v weight layout",
     }
     for path, title in [
         *((p, round_titles.get(p.name, "## CPU round time against an earlier revision"))
@@ -856,6 +902,7 @@ def main() -> None:
     lines += roofline_section()
     lines += training_memory_section()
     lines += paged_section()
+    lines += qkv_layout_section()
     lines += startup_section(_load(RESULTS / "startup.json"))
     lines += soak_section(_load(RESULTS / "soak.json"))
     lines += serving_section()
