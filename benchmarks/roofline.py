@@ -152,6 +152,11 @@ def run(args) -> dict:
             target, drafter, slots=args.slots, budget=k, context_len=context_len
         )
         hand_per_chip = hand["total"] / mesh.size
+        # HBM traffic only (perf.hlo_bytes hbm_only): XLA's figure also counts transfers to
+        # and from on-chip memory (weights prefetched into VMEM count at the copy and again
+        # at their consumer) and a gather's whole table.
+        hbm = hlo_bytes.bytes_by_scope(hlo, depth=1, top=1, hbm_only=True)["total"]
+        hbm += modelled["bytes"]
         seconds = chip.seconds(cost["flops"], cost["bytes"])
         floor_s = chip.seconds(hand_per_chip, floor["bytes"])
         row = {
@@ -171,6 +176,9 @@ def run(args) -> dict:
             "floor_bytes": floor["bytes"],
             "floor_parts": floor["parts"],
             "bytes_over_floor": cost["bytes"] / floor["bytes"],
+            "hbm_bytes": hbm,
+            "hbm_over_floor": hbm / floor["bytes"],
+            "hbm_modelled_ms": 1e3 * chip.seconds(cost["flops"], hbm),
             "modelled_ms": 1e3 * seconds,
             "floor_ms": 1e3 * floor_s,
             "modelled_sps": 1.0 / seconds,
@@ -195,6 +203,7 @@ def run(args) -> dict:
     base = rows[0]["modelled_sps"]
     for r in rows:
         r["sps_over_sps_R"] = r["modelled_sps"] / base
+        r["hbm_sps_over_sps_R"] = rows[0]["hbm_modelled_ms"] / r["hbm_modelled_ms"]
     return {
         "topology": args.topology,
         "chip": chip.__dict__,
@@ -290,6 +299,25 @@ def markdown(res: dict) -> str:
             f"{r['modelled_ms']:.1f} | {r['floor_ms']:.1f} | {r['modelled_sps']:.1f} | "
             f"{r['sps_over_sps_R']:.2f} | {r['bound']} | {r['while_loops']} |"
         )
+    if "hbm_bytes" in res["rows"][0]:
+        lines += [
+            "",
+            "HBM traffic only (`perf.hlo_bytes.bytes_by_scope(..., hbm_only=True)`, re-derived "
+            "from the compiled HLO; kernel bytes as above). XLA's bytes above count every "
+            "memory space: a weight that XLA prefetches into on-chip VMEM is counted at the "
+            "copy and again where its consumer reads VMEM, and a gather counts its whole "
+            "table. Here each buffer in VMEM counts nothing, a prefetch its HBM read once, a "
+            "gather the rows it gathers. An estimate, not XLA's figure; the SPS table "
+            "(`_sps.json`) keeps XLA's.",
+            "",
+            "| B = R + K | HBM bytes GB | HBM / floor | modelled ms | SPS(B) / SPS(R) |",
+            "|---|---|---|---|---|",
+        ]
+        for r in res["rows"]:
+            lines.append(
+                f"| {r['B']} | {r['hbm_bytes'] / 1e9:.1f} | {r['hbm_over_floor']:.2f} | "
+                f"{r['hbm_modelled_ms']:.1f} | {r['hbm_sps_over_sps_R']:.2f} |"
+            )
     last = res["rows"][-1]
     if "parameter_relayouts" in last:
         moved = sum(last["parameter_relayouts"].values())

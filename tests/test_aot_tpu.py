@@ -96,11 +96,14 @@ def test_roofline_benchmark_writes_its_tables(tmp_path):
         # tile padding dominates; at the 8B shapes the two agree within 5 %), layers named.
         scopes = r["bytes_by_scope"]
         assert scopes["total"] == pytest.approx(r["xla_bytes"], rel=0.4)
+        # HBM-only traffic: what XLA moves to and from HBM, kernel included, is counted.
+        assert r["kernel_bytes_modelled"] < r["hbm_bytes"] and r["hbm_over_floor"] > 0
         assert any("Qwen3.decode" in s for s in scopes["by_scope"])
     (table,) = json.load(open(out + "_sps.json")).values()
     assert list(SPSTable.from_json(table).buckets) == [4, 20]
     text = open(out + ".md").read()
     assert "| B = R + K |" in text and "XLA's bytes by name scope" in text
+    assert "| B = R + K | HBM bytes GB |" in text
 
 
 @needs_libtpu

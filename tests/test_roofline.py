@@ -99,6 +99,64 @@ def test_bytes_by_scope_matches_xla_and_counts_slices_not_buffers():
     assert got["by_scope"]["jit(step)/mm"] >= 1024 * 1024 * 4  # the weight, read once
 
 
+_PREFETCH_HLO = """HloModule m
+
+%fused_mm (param_0: bf16[1024,1024], param_1: bf16[8,1024]) -> bf16[8,1024] {
+  %param_1 = bf16[8,1024]{1,0} parameter(1)
+  %param_0 = bf16[1024,1024]{1,0} parameter(0)
+  ROOT %dot.1 = bf16[8,1024]{1,0} dot(%param_1, %param_0), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/mm"}
+}
+
+%fused_head (param_0.1: bf16[1024,1024], param_1.1: bf16[8,1024]) -> bf16[8,1024] {
+  %param_1.1 = bf16[8,1024]{1,0} parameter(1)
+  %param_0.1 = bf16[1024,1024]{1,0} parameter(0)
+  %bitcast_fusion.1 = bf16[1024,1024]{1,0} fusion(%param_0.1), kind=kLoop, calls=%bitcast_only
+  ROOT %dot.2 = bf16[8,1024]{1,0} dot(%param_1.1, %bitcast_fusion.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%bitcast_only (param_0.2: bf16[1024,1024]) -> bf16[1024,1024] {
+  %param_0.2 = bf16[1024,1024]{1,0} parameter(0)
+  ROOT %bitcast.9 = bf16[1024,1024]{1,0} bitcast(%param_0.2)
+}
+
+ENTRY %main (w: bf16[1024,1024], x: bf16[8,1024], table: bf16[4096,1024], ids: s32[8,1], head: bf16[1024,1024]) -> (bf16[8,1024], bf16[8,1024], bf16[8,1024]) {
+  %w = bf16[1024,1024]{1,0} parameter(0)
+  %x = bf16[8,1024]{1,0} parameter(1)
+  %table = bf16[4096,1024]{1,0} parameter(2)
+  %ids = s32[8,1]{1,0} parameter(3)
+  %head = bf16[1024,1024]{1,0} parameter(4)
+  %copy-start = (bf16[1024,1024]{1,0:S(1)}, bf16[1024,1024]{1,0}, u32[]{:S(2)}) copy-start(%w)
+  %copy-done = bf16[1024,1024]{1,0:S(1)} copy-done(%copy-start)
+  %fusion = bf16[8,1024]{1,0} fusion(%copy-done, %x), kind=kOutput, calls=%fused_mm, metadata={op_name="jit(f)/mm"}
+  %gather = bf16[8,1024]{1,0} gather(%table, %ids), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,1024}, metadata={op_name="jit(f)/embed"}
+  %fusion.2 = bf16[8,1024]{1,0} fusion(%head, %x), kind=kOutput, calls=%fused_head, metadata={op_name="jit(f)/head"}
+  ROOT %tuple = (bf16[8,1024]{1,0}, bf16[8,1024]{1,0}, bf16[8,1024]{1,0}) tuple(%fusion, %gather, %fusion.2)
+}
+"""
+
+
+def test_hbm_bytes_count_a_prefetched_weight_once_and_a_gather_by_its_rows():
+    """HBM-only accounting (``hbm_only``): a weight that memory-space assignment prefetches
+    into VMEM (``S(1)``) is read from HBM once, at the copy; its consumer reads VMEM. A
+    gather reads the rows it gathers. A weight read through a nested fusion that only
+    bitcasts it is read whole (in both accountings). Every byte here is counted by hand."""
+    from dspark_jax.perf.hlo_bytes import bytes_by_scope
+
+    w, act, ids = 1024 * 1024 * 2, 8 * 1024 * 2, 8 * 4
+    hbm = bytes_by_scope(_PREFETCH_HLO, depth=2, hbm_only=True)
+    assert hbm["by_scope"]["(unnamed)"] == w  # copy-start: the HBM read of the weight
+    assert hbm["by_scope"]["jit(f)/mm"] == 2 * act  # x in, y out; the weight is in VMEM
+    assert hbm["by_scope"]["jit(f)/embed"] == 2 * act + ids  # 8 rows, not the table
+    assert hbm["by_scope"]["jit(f)/head"] == w + 2 * act
+    every = bytes_by_scope(_PREFETCH_HLO, depth=2)
+    # Every memory space, as XLA counts: the copy's source, both tuple buffers and the
+    # flag; copy-done its tuple and its output; the consumer the VMEM copy; the whole table.
+    assert every["by_scope"]["(unnamed)"] == (w + 2 * w + 4) + (2 * w + 4 + w)
+    assert every["by_scope"]["jit(f)/mm"] == w + 2 * act
+    assert every["by_scope"]["jit(f)/embed"] == 4096 * 1024 * 2 + ids + act
+    assert every["by_scope"]["jit(f)/head"] == w + 2 * act
+
+
 def test_verify_cost_benchmark_runs_with_chosen_budgets(tmp_path):
     """benchmarks/verify_cost.py end to end on a tiny model with the options an
     accelerator run uses (chosen budgets, a dtype, the attention backend, no feature-draft

@@ -1,5 +1,6 @@
-"""Where a compiled program's HBM bytes go: bytes accessed per instruction of the optimised
-HLO text, summed by the JAX name scope that emitted it.
+"""Where a compiled program's bytes go: bytes accessed per instruction of the optimised HLO
+text, summed by the JAX name scope that emitted it, over every memory space (as XLA's cost
+analysis counts) or over HBM only.
 
 XLA's cost analysis gives one total. This module re-derives it per instruction from the
 text of the compiled module, with the same rules HloCostAnalysis applies to the things
@@ -10,16 +11,26 @@ that dominate a decode round:
   of the parameter (through bitcasts, reshapes, copies and nested fusions) is a slice or
   dynamic slice, the bytes of those slices, not the whole buffer (the source of a gather is
   counted whole, as XLA does: the blocked ``xla`` attention's page gathers weigh the pool);
+  a parameter that flows whole to a nested fusion's output (a fusion that only bitcasts
+  it) is read whole. XLA's own figure misses that read: on XLA:TPU the untied LM head of
+  Qwen3-8B is read that way (0.31 GB per chip at tensor = 4), so this estimate exceeds
+  XLA's total by about that much;
 * an in-place update (a fusion or instruction whose root is a scatter or dynamic update
   slice into a parameter, whose output aliases that operand) reads and writes the update,
   not the buffer it updates (the paged KV pool is written this way every layer);
 * while loops are counted once, as XLA does (unroll loops for cost figures).
 
-It is an estimate of XLA's own figure: equal on CPU (``tests/test_roofline.py``), within 5 %
-of XLA:TPU's for the Qwen3-8B serving round, within 40 % at tiny shapes where tile padding
-and small collectives dominate (``tests/test_aot_tpu.py``). It is meant for ranking: which scope moves how many bytes, and how that changes with the
-round's size. Kernels (custom calls) count nothing, as in XLA's figure: callers model
-them separately (``roofline.kernel_attention_cost``).
+It is an estimate of XLA's own figure: equal on CPU (``tests/test_roofline.py``), within
+40 % at tiny TPU shapes where tile padding and small collectives dominate
+(``tests/test_aot_tpu.py``). It is meant for ranking: which scope moves how many bytes, and
+how that changes with the round's size. Kernels (custom calls) count nothing, as in XLA's
+figure: callers model them separately (``roofline.kernel_attention_cost``).
+
+``hbm_only=True`` counts the traffic to and from HBM alone, which is what a memory-bound
+round's time follows: buffers XLA:TPU placed in on-chip VMEM (layout memory space
+``S(1)``) count nothing, an asynchronous copy between memory spaces (memory-space
+assignment prefetching a weight into VMEM) counts its HBM side once, and a gather the rows
+it gathers (``instruction_bytes``).
 """
 
 from __future__ import annotations
@@ -33,16 +44,28 @@ from dspark_jax.perf.roofline import _DTYPE_BYTES
 # An array type with its layout: dtype[dims]{minor_to_major:T(a,b)(c,d)...}.
 _TYPED = re.compile(r"\b([a-z]\w*)\[([\d,]*)\](?:\{([\d,]*)(?::([^}]*))?\})?")
 _TILE = re.compile(r"T\(([\d,]+)\)")
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 
 
-def _shape_bytes(type_text: str) -> int:
-    """Bytes of the arrays in an HLO type, in their tiled layout: a TPU layout's first tile
-    ``T(a, b)`` pads the two most minor physical dimensions to multiples of ``a`` and ``b``,
-    as XLA:TPU counts them. Small arrays are mostly padding there."""
-    total = 0
+def _on_chip(layout_extra: str) -> bool:
+    """Whether a layout names an on-chip memory space (``S(1)`` VMEM, ``S(2)`` sync flags
+    ...) rather than the default, HBM (no ``S(...)`` or ``S(0)``)."""
+    m = _MEMORY_SPACE.search(layout_extra or "")
+    return bool(m) and m.group(1) != "0"
+
+
+def _array_bytes(type_text: str, hbm_only: bool = False) -> list[int]:
+    """Bytes of each array in an HLO type (a tuple lists several), in their tiled layout:
+    a TPU layout's first tile ``T(a, b)`` pads the two most minor physical dimensions to
+    multiples of ``a`` and ``b``, as XLA:TPU counts them (small arrays are mostly padding
+    there). ``hbm_only``: arrays placed in an on-chip memory space count 0."""
+    out = []
     for dtype, dims_text, minor_to_major, extra in _TYPED.findall(type_text):
         size = _DTYPE_BYTES.get(dtype)
         if size is None:
+            continue
+        if hbm_only and _on_chip(extra):
+            out.append(0)
             continue
         dims = [int(d) for d in dims_text.split(",") if d]
         tile = _TILE.search(extra or "")
@@ -56,8 +79,13 @@ def _shape_bytes(type_text: str) -> int:
         n = 1
         for d in dims:
             n *= d
-        total += n * size
-    return total
+        out.append(n * size)
+    return out
+
+
+def _shape_bytes(type_text: str, hbm_only: bool = False) -> int:
+    """Bytes of all arrays in an HLO type (``_array_bytes`` summed)."""
+    return sum(_array_bytes(type_text, hbm_only))
 
 
 _HEADER = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->\s*(.*?)\s*\{\s*$")
@@ -85,9 +113,11 @@ class _Instr:
     line: str
     root: bool
     bytes: int = field(init=False)
+    hbm_bytes: int = field(init=False)  # the arrays of its output that live in HBM
 
     def __post_init__(self):
         self.bytes = _shape_bytes(self.type_text)
+        self.hbm_bytes = _shape_bytes(self.type_text, hbm_only=True)
 
 
 @dataclass
@@ -173,22 +203,30 @@ def _params(comp: _Computation) -> list[_Instr]:
     return sorted(params, key=lambda i: int(re.search(r"parameter\((\d+)\)", i.line).group(1)))
 
 
-def _reads_of_param(comps, comp: _Computation, name: str, seen=None) -> int | None:
+def _reads_of_param(
+    comps, comp: _Computation, name: str, seen=None, gather_rows: bool = False
+) -> int | None:
     """Bytes a fused computation reads of parameter ``name``: the slices taken of it when
     every use is a slice (through pass-through ops and nested fusions), 0 when it is only
-    the buffer an in-place update writes into, None when it is read whole."""
+    the buffer an in-place update writes into, None when it is read whole. With
+    ``gather_rows`` the source of a gather counts as the rows gathered (what the memory
+    system reads) rather than whole (what XLA's cost analysis counts)."""
     seen = seen or set()
     if name in seen:
         return 0
     seen.add(name)
+    if comp.root.name == name:  # flows out whole (e.g. a nested fusion that only bitcasts)
+        return None
     total = 0
     for user in comp.users.get(name, []):
         if user.opcode in _SLICES and user.operands[0] == name:
             total += user.bytes
+        elif gather_rows and user.opcode == "gather" and user.operands[0] == name:
+            total += user.bytes
         elif user.opcode in _IN_PLACE and user.operands[0] == name:
             continue
         elif user.opcode in _PASS_THROUGH:
-            sub = _reads_of_param(comps, comp, user.name, seen)
+            sub = _reads_of_param(comps, comp, user.name, seen, gather_rows)
             if sub is None:
                 return None
             total += sub
@@ -203,7 +241,7 @@ def _reads_of_param(comps, comp: _Computation, name: str, seen=None) -> int | No
                     continue
                 if k >= len(inner_params):
                     return None
-                sub = _reads_of_param(comps, inner, inner_params[k].name)
+                sub = _reads_of_param(comps, inner, inner_params[k].name, None, gather_rows)
                 if sub is None:
                     return None
                 total += sub
@@ -229,52 +267,77 @@ def _update_bytes(comp: _Computation, instr: _Instr) -> int | None:
     return None
 
 
-def instruction_bytes(comps, comp: _Computation, instr: _Instr) -> int:
-    """Estimated bytes accessed by one instruction of an executed computation."""
+def instruction_bytes(comps, comp: _Computation, instr: _Instr, hbm_only: bool = False) -> int:
+    """Estimated bytes accessed by one instruction of an executed computation.
+
+    ``hbm_only``: only the traffic to and from HBM. Operands and outputs that XLA placed in
+    an on-chip memory space (``S(1)``, VMEM on TPU) count nothing, an asynchronous copy
+    between memory spaces (``copy-start``, as memory-space assignment issues to prefetch a
+    weight into VMEM or evict a buffer) counts its HBM side once, at its start, and a
+    gather reads the rows it gathers. XLA's own figure (and this function without
+    ``hbm_only``) counts every memory space, so a weight prefetched into VMEM is counted at
+    the copy and again where the consumer reads VMEM, and a gather's whole table."""
     if instr.opcode in _FREE or instr.opcode in ("while", "conditional", "call"):
         return 0
     if instr.opcode == "custom-call":  # opaque to XLA's cost analysis too (module docstring)
         return 0
     shapes = comp.by_name
+
+    def size(i: _Instr) -> int:
+        return i.hbm_bytes if hbm_only else i.bytes
+
+    if hbm_only and instr.opcode in ("copy-start", "copy-done"):
+        if instr.opcode == "copy-done":
+            return 0
+        dest = _array_bytes(instr.type_text, hbm_only=True)[:1]  # (dest, source, context)
+        return sum(dest) + sum(size(shapes[o]) for o in instr.operands if o in shapes)
     if instr.opcode == "fusion":
         called = _CALLS.search(instr.line)
         fused = comps.get(called.group(1)) if called else None
         if fused is None:
-            return instr.bytes + sum(shapes[o].bytes for o in instr.operands if o in shapes)
+            return size(instr) + sum(size(shapes[o]) for o in instr.operands if o in shapes)
         params = _params(fused)
         reads = 0
         for k, op in enumerate(instr.operands):
-            full = shapes[op].bytes if op in shapes else 0
-            if k < len(params):
-                part = _reads_of_param(comps, fused, params[k].name)
+            full = size(shapes[op]) if op in shapes else 0
+            if k < len(params) and full:
+                part = _reads_of_param(comps, fused, params[k].name, None, hbm_only)
                 reads += full if part is None else min(part, full)
             else:
                 reads += full
         roots = [fused.root]
         if fused.root.opcode == "tuple":
             roots = [fused.by_name[o] for o in fused.root.operands if o in fused.by_name]
+        # Which of the fusion's outputs live in HBM (a tuple output lists one per root).
+        in_hbm = [b > 0 for b in _array_bytes(instr.type_text, hbm_only=True)]
+        if len(in_hbm) != len(roots):
+            in_hbm = [size(instr) > 0] * len(roots)
         writes = 0
-        for r in roots:
+        for r, keep in zip(roots, in_hbm, strict=True):
+            if not (keep or not hbm_only):
+                continue
             upd = _update_bytes(fused, r)
             writes += r.bytes if upd is None else upd
         return reads + writes
     upd = _update_bytes(comp, instr)
     if upd is not None:  # an unfused in-place update: reads and writes the update only
-        return 2 * upd
-    if instr.opcode in _SLICES:
-        return 2 * instr.bytes
-    return instr.bytes + sum(shapes[o].bytes for o in instr.operands if o in shapes)
+        return 0 if hbm_only and not instr.hbm_bytes else 2 * upd
+    if instr.opcode in _SLICES or (hbm_only and instr.opcode == "gather"):
+        rest = sum(size(shapes[o]) for o in instr.operands[1:] if o in shapes)
+        return 2 * size(instr) + (rest if instr.opcode == "gather" else 0)
+    return size(instr) + sum(size(shapes[o]) for o in instr.operands if o in shapes)
 
 
-def bytes_by_scope(hlo_text: str, depth: int = 4, top: int = 15) -> dict:
+def bytes_by_scope(hlo_text: str, depth: int = 4, top: int = 15, hbm_only: bool = False) -> dict:
     """``{"total", "by_scope": {scope: bytes}}``: estimated bytes accessed by the program,
     summed by the first ``depth`` components of each instruction's JAX ``op_name`` (its
-    name scope: ``jit(f)/Module.method/...``), the ``top`` largest scopes."""
+    name scope: ``jit(f)/Module.method/...``), the ``top`` largest scopes. ``hbm_only``:
+    HBM traffic only (``instruction_bytes``)."""
     comps = parse_hlo(hlo_text)
     by_scope: Counter = Counter()
     for comp in _executed(comps):
         for instr in comp.instrs:
-            b = instruction_bytes(comps, comp, instr)
+            b = instruction_bytes(comps, comp, instr, hbm_only)
             if not b:
                 continue
             m = _OP_NAME.search(instr.line)
