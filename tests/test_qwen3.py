@@ -229,3 +229,22 @@ def test_abstract_init_of_a_large_config_allocates_nothing():
         for x in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, nn.Partitioned))
     )
     assert n == PRESETS["qwen3-4b"].num_params()
+
+
+def test_out_first_kernel_holds_the_input_major_values_and_computes_the_same():
+    """A projection stored output first (q/k/v: [heads, head_dim, d]) starts from the same
+    values as an input-major one ([d, heads, head_dim]) with the same seed, transposed,
+    and maps inputs identically: the storage layout is not a different model."""
+    from dspark_jax.models.qwen3 import Projection
+
+    kw = dict(features=(4, 8), in_axes=("embed",), out_axes=("q_heads", "kv"))
+    x = jax.random.normal(jax.random.key(1), (3, 16))
+    ours = Projection(out_first=True, **kw)
+    ref = Projection(**kw)
+    p = nn.unbox(ours.init(jax.random.key(0), x))
+    q = nn.unbox(ref.init(jax.random.key(0), x))
+    assert p["params"]["kernel"].shape == (4, 8, 16) and q["params"]["kernel"].shape == (16, 4, 8)
+    np.testing.assert_array_equal(
+        p["params"]["kernel"], np.transpose(q["params"]["kernel"], (1, 2, 0))
+    )
+    np.testing.assert_allclose(ours.apply(p, x), ref.apply(q, x), rtol=1e-6, atol=1e-6)

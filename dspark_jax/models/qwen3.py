@@ -347,11 +347,18 @@ class Projection(nn.Module):
         else:
             shape, names = in_shape + features, self.in_axes + self.out_axes
             contracted = tuple(range(n_in))
+        init = nn.initializers.normal(self.init_scale)
+        if self.out_first:
+            # Draw the values of the input-major kernel and transpose them, so the storage
+            # layout does not change the initial model (same seed, same weights).
+            input_major = init
+            perm = tuple(range(n_in, n_in + len(features))) + tuple(range(n_in))
+
+            def init(key, _shape, dtype):
+                return jnp.transpose(input_major(key, in_shape + features, dtype), perm)
+
         kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(nn.initializers.normal(self.init_scale), names),
-            shape,
-            self.param_dtype,
+            "kernel", nn.with_logical_partitioning(init, names), shape, self.param_dtype
         )
         contract = (tuple(range(x.ndim - n_in, x.ndim)), contracted)
         # Output dims: x's free dims, then the kernel's free dims in order (= features).
