@@ -12,9 +12,11 @@ that dominate a decode round:
   dynamic slice, the bytes of those slices, not the whole buffer (the source of a gather is
   counted whole, as XLA does: the blocked ``xla`` attention's page gathers weigh the pool);
   a parameter that flows whole to a nested fusion's output (a fusion that only bitcasts
-  it) is read whole. XLA's own figure misses that read: on XLA:TPU the untied LM head of
-  Qwen3-8B is read that way (0.31 GB per chip at tensor = 4), so this estimate exceeds
-  XLA's total by about that much;
+  it) is read whole. XLA's own figure misses that read. XLA:TPU reads several weights
+  that way in the Qwen3-8B + DSpark serving round (the LM head, by the target and by the
+  drafter, 0.31 GB each per chip at tensor = 4; the drafter's ``fc`` and MLP weights), so
+  this estimate exceeds XLA's total there by 1.0-1.2 GB per chip
+  (``benchmarks/roofline.py``);
 * an in-place update (a fusion or instruction whose root is a scatter or dynamic update
   slice into a parameter, whose output aliases that operand) reads and writes the update,
   not the buffer it updates (the paged KV pool is written this way every layer);
