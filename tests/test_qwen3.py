@@ -248,3 +248,9 @@ def test_out_first_kernel_holds_the_input_major_values_and_computes_the_same():
         p["params"]["kernel"], np.transpose(q["params"]["kernel"], (1, 2, 0))
     )
     np.testing.assert_allclose(ours.apply(p, x), ref.apply(q, x), rtol=1e-6, atol=1e-6)
+    # The formulation traced for an accelerator (one dot over the 3-D kernel; on CPU a 2-D
+    # x @ W.T, which XLA:CPU multiplies without copying the kernel) computes the same.
+    from dspark_jax.ops.flash_attention import compile_platform
+
+    with compile_platform("tpu"):
+        np.testing.assert_allclose(ours.apply(p, x), ref.apply(q, x), rtol=1e-6, atol=1e-6)

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from dspark_jax.ops.flash_attention import (
     FLASH_BACKENDS,
     causal_attention,
+    current_platform,
     resolve_flash_backend,
 )
 from dspark_jax.ops.paged_attention import (
@@ -360,11 +361,17 @@ class Projection(nn.Module):
         kernel = self.param(
             "kernel", nn.with_logical_partitioning(init, names), shape, self.param_dtype
         )
+        x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+        if self.out_first and n_in == 1 and current_platform() == "cpu":
+            # XLA:CPU copies a [*features, d] kernel into input-major order on every call
+            # (3x the matmul's time at 8 rows); as one [prod(features), d] matrix contracted
+            # on its minor dim (torch's x @ W.T) it multiplies in place.
+            flat = kernel.reshape(-1, in_shape[0])
+            y = jax.lax.dot_general(x, flat, (((x.ndim - 1,), (1,)), ((), ())))
+            return y.reshape(*x.shape[:-1], *features)
         contract = (tuple(range(x.ndim - n_in, x.ndim)), contracted)
         # Output dims: x's free dims, then the kernel's free dims in order (= features).
-        return jax.lax.dot_general(
-            x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ()))
-        )
+        return jax.lax.dot_general(x, kernel, (contract, ((), ())))
 
 
 def _dense(features, in_axis_names, out_axis_names, name, cfg: Qwen3Config, out_first=False):
