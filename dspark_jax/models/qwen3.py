@@ -348,24 +348,23 @@ class Projection(nn.Module):
         else:
             shape, names = in_shape + features, self.in_axes + self.out_axes
             contracted = tuple(range(n_in))
-        init = nn.initializers.normal(self.init_scale)
-        if self.out_first:
-            # Draw the values of the input-major kernel and transpose them, so the storage
-            # layout does not change the initial model (same seed, same weights).
-            input_major = init
-            perm = tuple(range(n_in, n_in + len(features))) + tuple(range(n_in))
+        normal = nn.initializers.normal(self.init_scale)
+        # An output-first kernel draws the input-major kernel's values and transposes them,
+        # so the storage layout does not change the initial model (same seed, same weights).
+        perm = tuple(range(n_in, n_in + len(features))) + tuple(range(n_in))
 
-            def init(key, _shape, dtype):
-                return jnp.transpose(input_major(key, in_shape + features, dtype), perm)
+        def init(key, _shape, dtype):
+            w = normal(key, in_shape + features, dtype)
+            return jnp.transpose(w, perm) if self.out_first else w
 
         kernel = self.param(
             "kernel", nn.with_logical_partitioning(init, names), shape, self.param_dtype
         )
         x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
         if self.out_first and n_in == 1 and current_platform() == "cpu":
-            # XLA:CPU copies a [*features, d] kernel into input-major order on every call
-            # (3x the matmul's time at 8 rows); as one [prod(features), d] matrix contracted
-            # on its minor dim (torch's x @ W.T) it multiplies in place.
+            # XLA:CPU copies a [*features, d] kernel into input-major order on every call;
+            # as one [prod(features), d] matrix contracted on its minor dim (torch's
+            # x @ W.T) it multiplies in place.
             flat = kernel.reshape(-1, in_shape[0])
             y = jax.lax.dot_general(x, flat, (((x.ndim - 1,), (1,)), ((), ())))
             return y.reshape(*x.shape[:-1], *features)

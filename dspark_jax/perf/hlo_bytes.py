@@ -316,7 +316,7 @@ def instruction_bytes(comps, comp: _Computation, instr: _Instr, hbm_only: bool =
             in_hbm = [size(instr) > 0] * len(roots)
         writes = 0
         for r, keep in zip(roots, in_hbm, strict=True):
-            if not (keep or not hbm_only):
+            if hbm_only and not keep:
                 continue
             upd = _update_bytes(fused, r)
             writes += r.bytes if upd is None else upd
@@ -324,9 +324,11 @@ def instruction_bytes(comps, comp: _Computation, instr: _Instr, hbm_only: bool =
     upd = _update_bytes(comp, instr)
     if upd is not None:  # an unfused in-place update: reads and writes the update only
         return 0 if hbm_only and not instr.hbm_bytes else 2 * upd
-    if instr.opcode in _SLICES or (hbm_only and instr.opcode == "gather"):
-        rest = sum(size(shapes[o]) for o in instr.operands[1:] if o in shapes)
-        return 2 * size(instr) + (rest if instr.opcode == "gather" else 0)
+    if instr.opcode in _SLICES:
+        return 2 * size(instr)
+    if hbm_only and instr.opcode == "gather":  # the rows it reads, its indices, its output
+        indices = sum(size(shapes[o]) for o in instr.operands[1:] if o in shapes)
+        return 2 * size(instr) + indices
     return size(instr) + sum(size(shapes[o]) for o in instr.operands if o in shapes)
 
 
