@@ -193,6 +193,17 @@ def place_batch(batch, mesh: Mesh):
     return jax.tree.map(one, batch)
 
 
+def place_host_tree(tree, shardings):
+    """Host arrays (numpy) placed on their ``shardings``, each device given only its
+    slice (works for a mesh spanning several hosts)."""
+
+    def place(x, s):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
+
+    return jax.tree.map(place, tree, shardings)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

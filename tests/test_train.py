@@ -116,6 +116,38 @@ def test_export_writes_a_loadable_hf_directory(corpus, one_device_run, tmp_path)
     )
 
 
+def test_init_from_starts_a_fresh_run_from_exported_weights(corpus, one_device_run, tmp_path):
+    from dspark_jax.export import main as export_main
+
+    workdir, _ = one_device_run
+    source = str(tmp_path / "hf")
+    assert export_main(["--workdir", workdir, "--out", source, "--dtype", "float32"]) == 0
+    source_eval = [m for m in read_metrics(workdir) if m["kind"] == "eval"][-1]
+    # One step whose learning rate is 0 (the warm-up starts at 0): the weights stay the
+    # exported ones, so the held-out loss is the source run's final one.
+    run = str(tmp_path / "warm")
+    cfg = _cfg(corpus, train__init_from=source, train__steps=1, train__warmup_frac=0.5,
+               train__eval_every=0)  # fmt: skip
+    train(cfg, run, devices=jax.devices()[:1], progress=False)
+    warm_eval = [m for m in read_metrics(run) if m["kind"] == "eval"][-1]
+    assert warm_eval["step"] == 1
+    np.testing.assert_allclose(warm_eval["heldout_loss"], source_eval["heldout_loss"], rtol=1e-6)
+    # A fresh run's loss is far above it (ln 320 = 5.77 at the start).
+    fresh = str(tmp_path / "fresh")
+    train(_cfg(corpus, train__steps=1, train__warmup_frac=0.5, train__eval_every=0), fresh,
+          devices=jax.devices()[:1], progress=False)  # fmt: skip
+    fresh_eval = [m for m in read_metrics(fresh) if m["kind"] == "eval"][-1]
+    assert fresh_eval["heldout_loss"] > warm_eval["heldout_loss"] + 1.0
+
+    # Another architecture is refused by name, before any step; so is a missing directory.
+    with pytest.raises(ConfigError, match="hidden_size: 64 there, 32 here"):
+        train(_cfg(corpus, train__init_from=source, model__hidden_size=32),
+              str(tmp_path / "other"), devices=jax.devices()[:1], progress=False)  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="train.init_from: directory .*nowhere"):
+        train(_cfg(corpus, train__init_from=str(tmp_path / "nowhere")),
+              str(tmp_path / "missing"), devices=jax.devices()[:1], progress=False)  # fmt: skip
+
+
 def test_unknown_config_key(corpus, capsys):
     with pytest.raises(ConfigError, match="Unknown config key 'train.stepz'"):
         _cfg(corpus, train__stepz=3)

@@ -37,7 +37,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dspark_jax import sharding as shd
 from dspark_jax.config import ConfigError
@@ -257,11 +256,7 @@ class DrafterTask(Task):
                 f"(tree {jax.tree.structure(params)} vs {want})"
             )
 
-        def place(x, s):
-            x = np.asarray(x)
-            return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
-
-        return jax.tree.map(place, params, shardings), shardings
+        return shd.place_host_tree(params, shardings), shardings
 
     # -- forward pieces ------------------------------------------------------------------
     def _target(self):

@@ -117,6 +117,44 @@ class LMTask(Task):
         tokens = jnp.zeros((1, seq), jnp.int32)
         return self.module().init(rng, tokens)["params"]
 
+    def warm_start_params(self, directory: str, shardings: Any) -> Any:
+        """The weights of the model in ``directory`` (``train.init_from``: a Hugging Face
+        Qwen3 directory such as an exported target) as float32 master parameters. Its
+        architecture must be this run's, field by field (precision aside)."""
+        from dspark_jax import sharding as shd
+        from dspark_jax.config import ConfigError
+        from dspark_jax.convert import load_hf
+
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"train.init_from: directory {directory!r} does not exist")
+        if not os.path.isfile(os.path.join(directory, "config.json")):
+            raise FileNotFoundError(
+                f"train.init_from: {directory!r} has no config.json (a Hugging Face model "
+                "directory, e.g. `python -m dspark_jax.export` output, is expected)"
+            )
+        loaded_config, params = load_hf(directory, dtype="float32")
+        ours = self.model_config()
+        # Precision, memory and kernel choices and the informational token ids are not
+        # the architecture.
+        ignore = {"dtype", "param_dtype", "remat", "attention", "scan_layers",
+                  "bos_token_id", "eos_token_id"}  # fmt: skip
+        differ = [
+            f"{f}: {getattr(loaded_config, f)!r} there, {getattr(ours, f)!r} here"
+            for f in Qwen3Config.field_names()
+            if f not in ignore and getattr(loaded_config, f) != getattr(ours, f)
+        ]
+        if differ:
+            raise ConfigError(
+                f"train.init_from: the model in {directory} is not this run's architecture ("
+                + "; ".join(differ)
+                + "); set the model section to match it"
+            )
+        if jax.tree.structure(params) != jax.tree.structure(shardings):
+            raise ValueError(
+                f"train.init_from: the parameters in {directory} do not form this model's tree"
+            )
+        return shd.place_host_tree(params, shardings)
+
     # -- losses ------------------------------------------------------------------------
     def _sums(self, params, batch):
         logits = self.module().apply(

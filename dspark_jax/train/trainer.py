@@ -135,6 +135,11 @@ def default_config() -> ConfigDict:
             "checkpoint_every": 200,  # 0 = only at the end
             "keep_checkpoints": 3,
             "async_checkpointing": True,
+            # A trained model directory (Hugging Face layout, e.g. an exported target)
+            # whose weights replace the initial parameters of a fresh run: continued
+            # training with a new schedule and fresh optimizer moments. Ignored on resume
+            # (the checkpoint holds the trained weights). lm task only.
+            "init_from": "",
         }
     )
     return cfg
@@ -165,6 +170,14 @@ class Task:
     def init_params(self, rng: jax.Array) -> Any:
         """Trainable parameters, boxed with ``nn.Partitioned`` logical names."""
         raise NotImplementedError
+
+    def warm_start_params(self, directory: str, shardings: Any) -> Any:
+        """Trainable parameters read from ``directory`` (``train.init_from``), placed on
+        ``shardings``; raises if they do not fit this task's model."""
+        raise ConfigError(
+            f"train.init_from is not supported by the {self.name!r} task (only 'lm'); "
+            "leave it empty"
+        )
 
     def frozen_params(self, mesh) -> tuple[Any, Any]:
         """``(params, shardings)`` of frozen inputs to the loss, already on ``mesh``."""
@@ -379,6 +392,12 @@ def train(
         else:
             start, resumed = 0, False
             state = spec.init(jax.random.PRNGKey(tc.seed))
+            if tc.get("init_from"):
+                # Only the weights: AdamW's moments start at zero either way.
+                params = task.warm_start_params(tc.init_from, spec.shardings.params)
+                state = state.replace(params=params)
+                if is_main:
+                    print(f"initial weights from {tc.init_from}", file=sys.stderr, flush=True)
         if is_main:
             _truncate_metrics(workdir, start)
             with open(os.path.join(workdir, CONFIG_FILE), "w") as f:
