@@ -258,6 +258,35 @@ def scope_lines(res: dict, top: int = 12) -> list[str]:
     return lines
 
 
+def growth_lines(res: dict) -> list[str]:
+    """What each added verify row costs in HBM traffic, derived from the first and last
+    rows of the HBM table (the kernel's modelled bytes do not grow with B: each slot's
+    pages are read once whatever its query count)."""
+    from dspark_jax.models.presets import get_preset
+
+    first, last = res["rows"][0], res["rows"][-1]
+    added = last["B"] - first["B"]
+    if added <= 0:
+        return []
+    cfg = get_preset(res["target"])
+    grown = last["hbm_bytes"] - first["hbm_bytes"]
+    per_row_layer = grown / added / cfg.num_hidden_layers
+    vector = cfg.hidden_size * 2  # one row's hidden state in bf16
+    weights = last["floor_parts"]["target_weights"] + last["floor_parts"]["drafter_weights"]
+    return [
+        "",
+        f"Growth with B (derived from the HBM table): {grown / 1e9:.2f} GB from B = "
+        f"{first['B']} to B = {last['B']}, {grown / added / 1e6:.2f} MB per added row; spread "
+        f"over the target's {cfg.num_hidden_layers} layers, {per_row_layer / 1e3:.0f} KB per "
+        f"row per layer, {per_row_layer / vector:.1f} hidden states of d = {cfg.hidden_size} "
+        "in bf16: activation traffic (projection outputs, the per-layer all-reduces, norm "
+        "reads), which every tensor-parallel chip moves for every row while its share of "
+        f"the weights shrinks with the tensor ways. At B = {last['B']}: "
+        f"{grown / 1e9:.2f} GB above B = {first['B']} against {weights / 1e9:.2f} GB of "
+        "weights per chip in the floor.",
+    ]
+
+
 def markdown(res: dict) -> str:
     chip = res["chip"]
     kind = res.get("drafter_kind", "dspark")
@@ -318,6 +347,7 @@ def markdown(res: dict) -> str:
                 f"| {r['B']} | {r['hbm_bytes'] / 1e9:.1f} | {r['hbm_over_floor']:.2f} | "
                 f"{r['hbm_modelled_ms']:.1f} | {r['hbm_sps_over_sps_R']:.2f} |"
             )
+        lines += growth_lines(res)
     last = res["rows"][-1]
     if "parameter_relayouts" in last:
         moved = sum(last["parameter_relayouts"].values())
