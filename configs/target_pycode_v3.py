@@ -17,19 +17,14 @@ applies only to a fresh workdir. The architecture is v2's (the drafters keep the
 shapes, the README's main command stays a few minutes).
 """
 
-from dspark_jax.config import update_config
-from dspark_jax.train.bundled import BUNDLED_SCHEDULE
-from dspark_jax.train.trainer import default_config
+import os
+
+from dspark_jax.config import load_config_file, update_config
+
+V2 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "target_pycode_v2.py")
 
 
 def get_config():
-    schedule = dict(BUNDLED_SCHEDULE, warmup_frac=0.02, checkpoint_every=100, log_every=25)
     return update_config(
-        default_config(),
-        task="lm",
-        model=dict(preset="pycode-small", vocab_size=8192),
-        data=dict(data_dir="data/stdlib", tokenizer="data/stdlib/tokenizer.json", seq_len=512,
-                  batch_size=8, seed=1),
-        train=dict(steps=3850, eval_every=250, eval_batches=16, keep_checkpoints=3,
-                   init_from="assets/target", **schedule),
-    )  # fmt: skip
+        load_config_file(V2), data=dict(seed=1), train=dict(steps=3850, init_from="assets/target")
+    )
