@@ -412,6 +412,7 @@ def test_config_errors(env, tmp_path):
         (dict(drafter__anchors_per_seq=64), ValueError, "exceeds data.seq_len"),
         (dict(drafter__taps="(1, 3)"), ValueError, "out of range"),
         (dict(drafter__kind="dflash", loss__alpha_conf=1.0), ValueError, "no confidence"),
+        (dict(train__init_from=str(tmp_path)), ConfigError, "init_from is not supported"),
     ]
     for kw, exc, match in cases:
         with pytest.raises(exc, match=match):

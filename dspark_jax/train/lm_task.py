@@ -44,6 +44,7 @@ class LMTask(Task):
     """``task = "lm"``: train the whole Qwen3 model (nothing frozen)."""
 
     name = "lm"
+    supports_warm_start = True
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -171,13 +171,12 @@ class Task:
         """Trainable parameters, boxed with ``nn.Partitioned`` logical names."""
         raise NotImplementedError
 
+    supports_warm_start = False  # train.init_from
+
     def warm_start_params(self, directory: str, shardings: Any) -> Any:
         """Trainable parameters read from ``directory`` (``train.init_from``), placed on
         ``shardings``; raises if they do not fit this task's model."""
-        raise ConfigError(
-            f"train.init_from is not supported by the {self.name!r} task (only 'lm'); "
-            "leave it empty"
-        )
+        raise NotImplementedError
 
     def frozen_params(self, mesh) -> tuple[Any, Any]:
         """``(params, shardings)`` of frozen inputs to the loss, already on ``mesh``."""
@@ -358,6 +357,11 @@ def train(
     workdir = os.path.abspath(workdir)
     tc = cfg.train
     task = make_task(cfg)
+    if tc.get("init_from") and not task.supports_warm_start:
+        raise ConfigError(
+            f"train.init_from is not supported by the {task.name!r} task (only 'lm'); "
+            "leave it empty"
+        )
     task.check()
     model_config = task.model_config()
     mesh = shd.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
