@@ -470,7 +470,8 @@ def training_memory_section() -> list[str]:
         "`benchmarks/results/gathered_lm_head_baseline/`, `python benchmarks/aot_memory.py "
         "--tpu v5p` at commit 356819c). After: the LM head vocab-parallel for the label "
         "rows and the draft attention read in 512-key chunks with an online softmax "
-        "(`DrafterTask._lm_head`, `models.backbone._blocked_attention`). At 512 anchors "
+        "(`DrafterTask._lm_head`, `models.backbone._blocked_attention`), measured at the "
+        "current tree (which also stores q/k/v kernels `[heads, head_dim, d]`). At 512 anchors "
         "the label rows (64 × 512 × 7 ≈ 229k) outnumber the vocabulary, so the head keeps "
         "the gathered layout there and only the attention change applies.",
         "",
