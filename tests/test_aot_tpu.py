@@ -104,6 +104,8 @@ def test_roofline_benchmark_writes_its_tables(tmp_path):
     text = open(out + ".md").read()
     assert "| B = R + K |" in text and "XLA's bytes by name scope" in text
     assert "| B = R + K | HBM bytes GB |" in text
+    grown = res["rows"][1]["hbm_bytes"] - res["rows"][0]["hbm_bytes"]  # over 16 added rows
+    assert f"{grown / 16 / 1e6:.2f} MB per added row" in text
 
 
 @needs_libtpu
