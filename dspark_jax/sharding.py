@@ -142,6 +142,13 @@ def _is_boxed(x) -> bool:
     return isinstance(x, nn.Partitioned)
 
 
+def unboxed(boxed_tree):
+    """The values of a tree with ``nn.Partitioned`` leaves. Unlike ``nn.unbox`` this adds no
+    sharding constraint, which under an active rules context outside ``jit`` would act on
+    the leaves eagerly (and fails on abstract ones)."""
+    return jax.tree.map(lambda x: x.value if _is_boxed(x) else x, boxed_tree, is_leaf=_is_boxed)
+
+
 def param_shardings(boxed_params, mesh: Mesh):
     """``NamedSharding`` tree for a (possibly abstract) tree of ``nn.Partitioned`` leaves.
 

@@ -312,6 +312,30 @@ def test_rnn_head_trains(env, tmp_path):
     assert losses[6] < losses[1]
 
 
+def test_init_from_fine_tunes_an_exported_drafter(env, dspark_run, tmp_path):
+    from dspark_jax.export import main as export_main
+
+    cfg, work, _ = dspark_run
+    source = str(tmp_path / "exported")
+    assert export_main(["--workdir", work, "--out", source, "--dtype", "float32"]) == 0
+    before = [m for m in read_metrics(work) if m["kind"] == "eval"][-1]
+    # One step at learning rate 0 (the warm-up starts at 0): the held-out figures are the
+    # exported drafter's.
+    run = str(tmp_path / "warm")
+    warm = dict(train__init_from=source, train__steps=1, train__warmup_frac=0.5,
+                train__eval_every=0)  # fmt: skip
+    train(_cfg(env, "dspark", **warm), run, devices=jax.devices()[:1], progress=False)
+    after = [m for m in read_metrics(run) if m["kind"] == "eval"][-1]
+    for key in ("heldout_loss", "heldout_tau_tf", "heldout_accept_k1"):
+        np.testing.assert_allclose(after[key], before[key], rtol=1e-5, err_msg=key)
+    # Another kind, or the same kind with other shapes, is refused by name.
+    with pytest.raises(ConfigError, match="holds a 'dspark' drafter but drafter.kind is 'dflash'"):
+        train(_cfg(env, "dflash", **warm), str(tmp_path / "k"), progress=False)
+    with pytest.raises(ValueError, match="train.init_from: parameter '.*' has shape"):
+        train(_cfg(env, "dspark", drafter__markov_rank=8, **warm), str(tmp_path / "r"),
+              devices=jax.devices()[:1], progress=False)  # fmt: skip
+
+
 def test_export_writes_loadable_drafter_with_card(env, dspark_run, tmp_path):
     from dspark_jax.convert import read_hf_config
     from dspark_jax.export import main as export_main
@@ -412,7 +436,7 @@ def test_config_errors(env, tmp_path):
         (dict(drafter__anchors_per_seq=64), ValueError, "exceeds data.seq_len"),
         (dict(drafter__taps="(1, 3)"), ValueError, "out of range"),
         (dict(drafter__kind="dflash", loss__alpha_conf=1.0), ValueError, "no confidence"),
-        (dict(train__init_from=str(tmp_path)), ConfigError, "init_from is not supported"),
+        (dict(train__init_from=str(tmp_path / "none")), FileNotFoundError, "does not exist"),
     ]
     for kw, exc, match in cases:
         with pytest.raises(exc, match=match):

@@ -33,6 +33,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from dspark_jax import sharding as shd
 from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.drafters import init_drafter_params, make_drafter
 from dspark_jax.models.qwen3 import Qwen3Config
@@ -187,7 +188,7 @@ def load_drafter(
     dcfg = DrafterConfig.from_dict(meta["drafter"])
     module = make_drafter(dcfg, target_config)
     expected = _flatten(
-        nn.unbox(jax.eval_shape(lambda: init_drafter_params(module, jax.random.key(0))))
+        shd.unboxed(jax.eval_shape(lambda: init_drafter_params(module, jax.random.key(0))))
     )
     loaded = load_file(weights_path)
     missing = sorted(set(expected) - set(loaded))

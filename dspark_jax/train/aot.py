@@ -34,7 +34,6 @@ import math
 import time
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,10 +205,7 @@ def _with_fit(report: dict[str, Any], device_memory_gb: float | None) -> dict[st
 def _abstract(boxed_tree, mesh):
     """Unboxed ``ShapeDtypeStruct``s with the rules-table shardings of a boxed abstract tree."""
     sh = shd.param_shardings(boxed_tree, mesh)
-    # Not nn.unbox: under the rules context it would add sharding constraints to the
-    # abstract leaves (an eager op on ShapeDtypeStructs).
-    boxed = lambda x: isinstance(x, nn.Partitioned)
-    plain = jax.tree.map(lambda x: x.value if boxed(x) else x, boxed_tree, is_leaf=boxed)
+    plain = shd.unboxed(boxed_tree)  # not nn.unbox: see shd.unboxed
     return (
         jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), plain, sh),
         sh,

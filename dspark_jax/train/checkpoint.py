@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 _STATE, _DATA, _META = "state", "data", "meta"
 
 
-def _path_str(path) -> str:
+def path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
@@ -68,12 +68,12 @@ class Checkpointer:
         """
         saved = self.manager.item_metadata(step)[_STATE]
         saved_flat = {
-            _path_str(p): tuple(m.shape)
+            path_str(p): tuple(m.shape)
             for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]
             if hasattr(m, "shape")
         }
         want_flat = {
-            _path_str(p): tuple(a.shape)
+            path_str(p): tuple(a.shape)
             for p, a in jax.tree_util.tree_flatten_with_path(abstract_state)[0]
         }
         where = os.path.join(self.directory, str(step))

@@ -237,6 +237,22 @@ class DrafterTask(Task):
 
         return init_drafter_params(self.module(), rng)
 
+    def warm_start_params(self, directory: str) -> Any:
+        """The weights of the drafter directory ``directory`` (``train.init_from``: written
+        by ``dspark_jax.export`` or converted from DeepSpec), to fine-tune it, e.g. on
+        another target of the same shapes or on new data. Its target shapes and kind must
+        be this run's; the loop then checks every parameter's shape."""
+        from dspark_jax.models.drafter_io import load_drafter
+
+        module, params = load_drafter(directory, self.model_config())
+        theirs, ours = module.config.kind, self.drafter_config.kind
+        if theirs != ours:
+            raise ConfigError(
+                f"train.init_from: {directory} holds a {theirs!r} drafter but drafter.kind "
+                f"is {ours!r}"
+            )
+        return params
+
     def frozen_params(self, mesh):
         """The target's parameters from ``target.dir``, sharded by their logical names."""
         from dspark_jax import sharding as shd

@@ -44,7 +44,6 @@ class LMTask(Task):
     """``task = "lm"``: train the whole Qwen3 model (nothing frozen)."""
 
     name = "lm"
-    supports_warm_start = True
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -118,11 +117,10 @@ class LMTask(Task):
         tokens = jnp.zeros((1, seq), jnp.int32)
         return self.module().init(rng, tokens)["params"]
 
-    def warm_start_params(self, directory: str, shardings: Any) -> Any:
+    def warm_start_params(self, directory: str) -> Any:
         """The weights of the model in ``directory`` (``train.init_from``: a Hugging Face
         Qwen3 directory such as an exported target) as float32 master parameters. Its
         architecture must be this run's, field by field (precision aside)."""
-        from dspark_jax import sharding as shd
         from dspark_jax.config import ConfigError
         from dspark_jax.convert import load_hf
 
@@ -150,11 +148,7 @@ class LMTask(Task):
                 + "; ".join(differ)
                 + "); set the model section to match it"
             )
-        if jax.tree.structure(params) != jax.tree.structure(shardings):
-            raise ValueError(
-                f"train.init_from: the parameters in {directory} do not form this model's tree"
-            )
-        return shd.place_host_tree(params, shardings)
+        return params
 
     # -- losses ------------------------------------------------------------------------
     def _sums(self, params, batch):

@@ -138,7 +138,8 @@ def default_config() -> ConfigDict:
             # A trained model directory (Hugging Face layout, e.g. an exported target)
             # whose weights replace the initial parameters of a fresh run: continued
             # training with a new schedule and fresh optimizer moments. Ignored on resume
-            # (the checkpoint holds the trained weights). lm task only.
+            # (the checkpoint holds the trained weights). lm: a Hugging Face Qwen3
+            # directory; drafter: a drafter directory of the same kind.
             "init_from": "",
         }
     )
@@ -171,12 +172,11 @@ class Task:
         """Trainable parameters, boxed with ``nn.Partitioned`` logical names."""
         raise NotImplementedError
 
-    supports_warm_start = False  # train.init_from
-
-    def warm_start_params(self, directory: str, shardings: Any) -> Any:
-        """Trainable parameters read from ``directory`` (``train.init_from``), placed on
-        ``shardings``; raises if they do not fit this task's model."""
-        raise NotImplementedError
+    def warm_start_params(self, directory: str) -> Any:
+        """Trainable parameters read from ``directory`` (``train.init_from``) as a tree of
+        host arrays; the loop checks every shape against this task's model and places
+        them."""
+        raise ConfigError(f"train.init_from is not supported by the {self.name!r} task")
 
     def frozen_params(self, mesh) -> tuple[Any, Any]:
         """``(params, shardings)`` of frozen inputs to the loss, already on ``mesh``."""
@@ -291,6 +291,30 @@ def _place(batch, mesh):
     )
 
 
+def _check_warm_start(params, abstract_params, directory: str) -> None:
+    """Raise ``ValueError`` naming the first parameter of this run's model that the
+    weights from ``directory`` lack or hold in another shape (``train.init_from``)."""
+    from dspark_jax.train.checkpoint import path_str
+
+    leaves = jax.tree_util.tree_leaves_with_path
+    have = {path_str(p): tuple(np.shape(x)) for p, x in leaves(params)}
+    wanted = {path_str(p): tuple(a.shape) for p, a in leaves(abstract_params)}
+    for key, want in wanted.items():
+        if key not in have:
+            raise ValueError(f"train.init_from: {directory} has no parameter '{key}'")
+        if have[key] != want:
+            raise ValueError(
+                f"train.init_from: parameter '{key}' has shape {have[key]} in {directory} but "
+                f"{want} in this run's model"
+            )
+    extra = sorted(set(have) - set(wanted))
+    if extra:
+        raise ValueError(
+            f"train.init_from: {directory} has parameters this run's model does not: "
+            + ", ".join(extra[:5])
+        )
+
+
 def check_mesh_and_batch(cfg: ConfigDict, mesh) -> None:
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     bs = cfg.data.batch_size
@@ -357,11 +381,6 @@ def train(
     workdir = os.path.abspath(workdir)
     tc = cfg.train
     task = make_task(cfg)
-    if tc.get("init_from") and not task.supports_warm_start:
-        raise ConfigError(
-            f"train.init_from is not supported by the {task.name!r} task (only 'lm'); "
-            "leave it empty"
-        )
     task.check()
     model_config = task.model_config()
     mesh = shd.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
@@ -398,8 +417,9 @@ def train(
             state = spec.init(jax.random.PRNGKey(tc.seed))
             if tc.get("init_from"):
                 # Only the weights: AdamW's moments start at zero either way.
-                params = task.warm_start_params(tc.init_from, spec.shardings.params)
-                state = state.replace(params=params)
+                params = task.warm_start_params(tc.init_from)
+                _check_warm_start(params, spec.abstract.params, tc.init_from)
+                state = state.replace(params=shd.place_host_tree(params, spec.shardings.params))
                 if is_main:
                     print(f"initial weights from {tc.init_from}", file=sys.stderr, flush=True)
         if is_main:
