@@ -29,7 +29,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import flax.linen as nn
 import jax
 import numpy as np
 
@@ -112,7 +111,7 @@ def save_drafter(
         raise ValueError(f"Cannot save a drafter to {path}: it exists and is not a directory")
     os.makedirs(path, exist_ok=True)
     out_dtype = _np_dtype(dtype)
-    flat = _flatten(jax.device_get(nn.unbox(params)))
+    flat = _flatten(jax.device_get(shd.unboxed(params)))
     tensors = {k: np.ascontiguousarray(np.asarray(v).astype(out_dtype)) for k, v in flat.items()}
     config_path = os.path.join(path, CONFIG_NAME)
     target = {k: getattr(target_config, k) for k in _TARGET_SHAPE_KEYS}

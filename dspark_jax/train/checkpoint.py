@@ -29,6 +29,26 @@ def path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
+def flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """``{path: shape}`` of every leaf of ``tree`` that has a shape (arrays, abstract
+    values, Orbax metadata)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {path_str(p): tuple(x.shape) for p, x in leaves if hasattr(x, "shape")}
+
+
+def first_shape_mismatch(have: dict, want: dict) -> tuple[str, str] | None:
+    """The first difference between two ``flat_shapes``: ``("missing", key)`` (in ``want``,
+    not ``have``), ``("shape", key)`` or ``("extra", key)``; parameters first, their names
+    being the most informative. None when they agree."""
+    for key in sorted(want, key=lambda k: (not k.startswith("params"), k)):
+        if key not in have:
+            return "missing", key
+        if have[key] != want[key]:
+            return "shape", key
+    extra = sorted(set(have) - set(want))
+    return ("extra", extra[0]) if extra else None
+
+
 class Checkpointer:
     """Thin wrapper over ``ocp.CheckpointManager`` with the items above."""
 
@@ -66,39 +86,29 @@ class Checkpointer:
         Reads only the checkpoint's metadata (no arrays), so a wrong workdir fails fast and
         with a readable message instead of an Orbax shape error deep in restore.
         """
-        saved = self.manager.item_metadata(step)[_STATE]
-        saved_flat = {
-            path_str(p): tuple(m.shape)
-            for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]
-            if hasattr(m, "shape")
-        }
-        want_flat = {
-            path_str(p): tuple(a.shape)
-            for p, a in jax.tree_util.tree_flatten_with_path(abstract_state)[0]
-        }
+        saved_flat = flat_shapes(self.manager.item_metadata(step)[_STATE])
+        want_flat = flat_shapes(abstract_state)
         where = os.path.join(self.directory, str(step))
-        # Parameters first: their names are the most informative.
-        order = sorted(want_flat, key=lambda k: (not k.startswith("params"), k))
-        for key in order:
-            if key not in saved_flat:
-                raise ValueError(
-                    f"Checkpoint {where} does not match the configured model: it has no "
-                    f"parameter '{key}' (shape {want_flat[key]} in the config). Use another "
-                    "--workdir or the config the checkpoint was trained with."
-                )
-            if saved_flat[key] != want_flat[key]:
-                raise ValueError(
-                    f"Checkpoint {where} does not match the configured model: parameter "
-                    f"'{key}' has shape {saved_flat[key]} in the checkpoint but "
-                    f"{want_flat[key]} in the config. Use another --workdir or the config the "
-                    "checkpoint was trained with."
-                )
-        extra = sorted(set(saved_flat) - set(want_flat))
-        if extra:
+        found = first_shape_mismatch(saved_flat, want_flat)
+        if found is None:
+            return
+        problem, key = found
+        head = f"Checkpoint {where} does not match the configured model: "
+        advice = "Use another --workdir or the config the checkpoint was trained with."
+        if problem == "missing":
             raise ValueError(
-                f"Checkpoint {where} does not match the configured model: it has parameter "
-                f"'{extra[0]}' (shape {saved_flat[extra[0]]}) that the config does not define."
+                f"{head}it has no parameter '{key}' (shape {want_flat[key]} in the config). "
+                + advice
             )
+        if problem == "shape":
+            raise ValueError(
+                f"{head}parameter '{key}' has shape {saved_flat[key]} in the checkpoint but "
+                f"{want_flat[key]} in the config. " + advice
+            )
+        raise ValueError(
+            f"{head}it has parameter '{key}' (shape {saved_flat[key]}) that the config does "
+            "not define."
+        )
 
     # -- save / restore ---------------------------------------------------------------
     def save(self, step: int, state: Any, data_iterator: Any, meta: dict[str, Any]) -> None:

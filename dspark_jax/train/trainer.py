@@ -135,11 +135,11 @@ def default_config() -> ConfigDict:
             "checkpoint_every": 200,  # 0 = only at the end
             "keep_checkpoints": 3,
             "async_checkpointing": True,
-            # A trained model directory (Hugging Face layout, e.g. an exported target)
-            # whose weights replace the initial parameters of a fresh run: continued
-            # training with a new schedule and fresh optimizer moments. Ignored on resume
-            # (the checkpoint holds the trained weights). lm: a Hugging Face Qwen3
-            # directory; drafter: a drafter directory of the same kind.
+            # A trained model's directory whose weights replace the initial parameters of
+            # a fresh run: continued training / fine-tuning with a new schedule and fresh
+            # optimizer moments. Ignored on resume (the checkpoint holds the trained
+            # weights). lm: a Hugging Face Qwen3 directory (e.g. an exported target);
+            # drafter: a drafter directory of the same kind.
             "init_from": "",
         }
     )
@@ -294,25 +294,21 @@ def _place(batch, mesh):
 def _check_warm_start(params, abstract_params, directory: str) -> None:
     """Raise ``ValueError`` naming the first parameter of this run's model that the
     weights from ``directory`` lack or hold in another shape (``train.init_from``)."""
-    from dspark_jax.train.checkpoint import path_str
+    from dspark_jax.train.checkpoint import first_shape_mismatch, flat_shapes
 
-    leaves = jax.tree_util.tree_leaves_with_path
-    have = {path_str(p): tuple(np.shape(x)) for p, x in leaves(params)}
-    wanted = {path_str(p): tuple(a.shape) for p, a in leaves(abstract_params)}
-    for key, want in wanted.items():
-        if key not in have:
-            raise ValueError(f"train.init_from: {directory} has no parameter '{key}'")
-        if have[key] != want:
-            raise ValueError(
-                f"train.init_from: parameter '{key}' has shape {have[key]} in {directory} but "
-                f"{want} in this run's model"
-            )
-    extra = sorted(set(have) - set(wanted))
-    if extra:
+    have, want = flat_shapes(params), flat_shapes(abstract_params)
+    found = first_shape_mismatch(have, want)
+    if found is None:
+        return
+    problem, key = found
+    if problem == "missing":
+        raise ValueError(f"train.init_from: {directory} has no parameter '{key}'")
+    if problem == "shape":
         raise ValueError(
-            f"train.init_from: {directory} has parameters this run's model does not: "
-            + ", ".join(extra[:5])
+            f"train.init_from: parameter '{key}' has shape {have[key]} in {directory} but "
+            f"{want[key]} in this run's model"
         )
+    raise ValueError(f"train.init_from: {directory} has parameter '{key}' this run's model lacks")
 
 
 def check_mesh_and_batch(cfg: ConfigDict, mesh) -> None:
