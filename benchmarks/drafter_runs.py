@@ -24,6 +24,17 @@ def final_eval(workdir: str) -> dict:
     return evals[-1]
 
 
+def run_target_weights(workdir: str) -> str | None:
+    """The weights fingerprint of the target the run trained against, from its last
+    checkpoint's metadata (``summarize.py`` flags results measured on other models)."""
+    from dspark_jax.train.checkpoint import Checkpointer
+    from dspark_jax.train.trainer import CHECKPOINT_DIR
+
+    ckpt = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), use_async=False)
+    step = ckpt.latest_step()
+    return None if step is None else ckpt.meta(step).get("target_fingerprint")
+
+
 def train_wall_s(workdir: str) -> float | None:
     """Wall seconds of the run's first completion (a resumed run's later calls do not
     overwrite it; a run resumed after a kill records only its last part)."""
@@ -55,4 +66,5 @@ def train_point(config: str, workdir: str, overrides: list[str] = ()) -> dict:
         "heldout_loss": ev["heldout_loss"],
         "heldout_label_positions": ev["heldout_label_positions"],
         "wall_s": train_wall_s(workdir),
+        "target_weights": run_target_weights(workdir),
     }

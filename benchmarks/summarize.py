@@ -61,6 +61,7 @@ def acceptance_section(
         "",
         f"    {cmd}",
         "",
+        *_stale_models_note(_acceptance_weights(acc)),
         "| set | T | "
         + " | ".join(drafters)
         + " | DSpark/DFlash | DSpark/EAGLE-3 | DSpark-RNN/DFlash | DSpark-RNN/EAGLE-3 |",
@@ -165,6 +166,7 @@ def coupled_section(acc) -> list[str]:
         "",
         f"    {cmd}",
         "",
+        *_stale_models_note(_acceptance_weights(acc)),
         "| drafter | set | τ standard | τ coupled | coupled / standard |",
         "|---|---|---|---|---|",
     ]
@@ -641,18 +643,27 @@ def _bundled_target_weights() -> str | None:
     return None if cfg is None else cfg.get("target", {}).get("weights")
 
 
-def _stale_models_note(data: dict) -> list[str]:
-    """A line saying so when a serving result was measured on other bundled models."""
+def _stale_models_note(recorded: str | None, rerun: str = "rerun the command above") -> list[str]:
+    """A line saying so when a result was measured against other target weights than the
+    bundled target's (``recorded``: the fingerprint the result file holds, if any)."""
     today = _bundled_target_weights()
-    if data.get("quick") or today is None or data.get("target_weights") == today:
+    if today is None or recorded == today:
         return []
-    was = data.get("target_weights")
-    which = f"target weights `{was}`" if was else "a run that recorded no target fingerprint"
+    if recorded is None:
+        return [
+            f"**Not matched to today's models**: the run recorded no target fingerprint "
+            f"(today's `assets/target` is `{today}`); {rerun}.",
+            "",
+        ]
     return [
-        f"**Measured on earlier bundled models** ({which}; today's `assets/target` is "
-        f"`{today}`): the figures below are not today's models'; rerun the command above.",
+        f"**Measured on earlier bundled models** (target weights `{recorded}`; today's "
+        f"`assets/target` is `{today}`): the figures below are not today's models'; {rerun}.",
         "",
     ]
+
+
+def _acceptance_weights(acc: dict) -> str | None:
+    return acc["config"].get("target", {}).get("weights")
 
 
 def _serving_table(name: str, data: dict) -> list[str]:
@@ -671,7 +682,8 @@ def _serving_table(name: str, data: dict) -> list[str]:
         _serving_command(data),
         "",
     ]
-    out += _stale_models_note(data)
+    if not quick:
+        out += _stale_models_note(data.get("target_weights"))
     out += serving_table(data["arms"])
     shares = {
         arm: [r["timeline"]["host_share"] for r in rows if "timeline" in r]
@@ -801,6 +813,23 @@ def serving_sim_section() -> list[str]:
     return out
 
 
+def _ablation_stale_note(abl: dict) -> list[str]:
+    """Flag the ablation when a run on the bundled target (no ``target.dir`` override) was
+    trained against other weights than today's."""
+    today = _bundled_target_weights()
+    stale = sorted(
+        name
+        for name, r in abl["runs"].items()
+        if not any(o.startswith("target.dir=") for o in r["overrides"])
+        and r.get("target_weights") != today
+    )
+    if not stale:
+        return []
+    recorded = {abl["runs"][n].get("target_weights") for n in stale}
+    rerun = f"rerun {', '.join(f'`{n}`' for n in stale)} (scripts/regenerate_weight_results.sh)"
+    return _stale_models_note(recorded.pop() if len(recorded) == 1 else None, rerun)
+
+
 def drafter_training_section() -> list[str]:
     """The bundled drafters' equal-compute budget, the drafter-quality-vs-data curve that
     sized the distilled data, and the controlled DSpark vs EAGLE-3 runs."""
@@ -824,6 +853,10 @@ def drafter_training_section() -> list[str]:
             f"({curve['distill_manifest'].get('max_prompts')} prompts); held-out teacher-forced "
             f"τ_tf at T = 1 on the same {curve['eval_batches']} held-out batches for every point.",
             "",
+            *_stale_models_note(
+                curve["distill_manifest"].get("target_fingerprint"),
+                "rerun the command above after removing workdirs/data_curve",
+            ),
             "| training records | epochs | τ_tf | mean α | held-out loss | wall s |",
             "|---|---|---|---|---|---|",
         ]
@@ -846,6 +879,7 @@ def drafter_training_section() -> list[str]:
             f"({abl['eval_batches']} held-out batches). The paper reports DSpark/EAGLE-3 "
             f"{PAPER_EAGLE} (decoded, Qwen3 targets).",
             "",
+            *_ablation_stale_note(abl),
             "| factor | DSpark run | τ_tf | EAGLE-3 run | τ_tf | DSpark/EAGLE-3 |",
             "|---|---|---|---|---|---|",
         ]

@@ -360,7 +360,11 @@ def run_metadata(target: LoadedTarget, drafters: Sequence[LoadedDrafter], args: 
     dev = jax.devices()[0]
     return {
         "args": args,
-        "target": {"path": target.path, "config": dataclasses.asdict(target.config)},
+        "target": {
+            "path": target.path,
+            "config": dataclasses.asdict(target.config),
+            "weights": target.fingerprint,  # summarize.py flags results on other models
+        },
         "drafters": [
             {
                 "label": d.label,

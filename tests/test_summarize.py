@@ -1,0 +1,54 @@
+"""benchmarks/summarize.py says so beside any table measured against other target weights
+than the bundled target's, and stays silent when the fingerprints match."""
+
+import copy
+import json
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture()
+def summarize(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import summarize
+
+    monkeypatch.setattr(summarize, "_bundled_target_weights", lambda: "aaaaaaaaaaaaaaaa")
+    yield summarize
+    sys.modules.pop("summarize", None)
+
+
+def _acceptance(weights):
+    with open(os.path.join(REPO, "benchmarks", "results", "acceptance.json")) as f:
+        acc = json.load(f)
+    acc["config"].setdefault("target", {})["weights"] = weights
+    return acc
+
+
+def test_acceptance_tables_flag_other_target_weights(summarize):
+    assert not any("earlier bundled" in line for line in
+                   summarize.acceptance_section(_acceptance("aaaaaaaaaaaaaaaa")))  # fmt: skip
+    stale = "\n".join(summarize.acceptance_section(_acceptance("bbbbbbbbbbbbbbbb")))
+    assert "**Measured on earlier bundled models** (target weights `bbbbbbbbbbbbbbbb`" in stale
+    assert "`assets/target` is `aaaaaaaaaaaaaaaa`" in stale
+    unknown = "\n".join(summarize.coupled_section(_acceptance(None)))
+    assert "**Not matched to today's models**: the run recorded no target fingerprint" in unknown
+
+
+def test_ablation_flags_only_runs_on_the_bundled_target(summarize):
+    abl = {
+        "runs": {
+            "dspark": {"overrides": [], "target_weights": "aaaaaaaaaaaaaaaa"},
+            "eagle3": {"overrides": [], "target_weights": "bbbbbbbbbbbbbbbb"},
+            # A run against another target on purpose (the target-strength factor).
+            "dspark_v1": {"overrides": ["target.dir=assets/target_v1"], "target_weights": "c"},
+        }
+    }
+    note = " ".join(summarize._ablation_stale_note(abl))
+    assert "`eagle3`" in note and "`dspark`" not in note and "dspark_v1" not in note
+    fresh = copy.deepcopy(abl)
+    fresh["runs"]["eagle3"]["target_weights"] = "aaaaaaaaaaaaaaaa"
+    assert summarize._ablation_stale_note(fresh) == []
