@@ -203,7 +203,7 @@ def test_cli_calibrate_writes_sts(cli_run):
     assert res.ece_after[0] <= res.ece_before[0] + 1e-9
 
 
-def test_cli_acceptance_results(cli_run):
+def test_cli_acceptance_results(cli_run, workspace):
     assert cli_run["acc_rc"] == 0
     data = json.loads(cli_run["results"].read_text())  # strict JSON: NaN became null
     entries = data["results"]
@@ -212,6 +212,10 @@ def test_cli_acceptance_results(cli_run):
     assert cfg["jax_version"] == jax.__version__ and cfg["scheduler"] == "fixed"
     assert cfg["args"]["max_new_tokens"] == MAX_NEW
     assert [d["config"]["kind"] for d in cfg["drafters"]] == ["dspark", "dflash"]
+    from dspark_jax.convert.loading import load_target
+
+    # summarize.py matches results to the bundled models by this fingerprint
+    assert cfg["target"]["weights"] == load_target(str(workspace["target"])).fingerprint
     assert [(e["drafter"], e["prompt_set"]) for e in entries] == [
         ("dspark", "humaneval"),
         ("dspark", "gsm8k"),
