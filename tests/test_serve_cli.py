@@ -156,3 +156,25 @@ def test_serve_reports_warmup_then_exits_0_on_sigterm(tmp_path):
     assert proc.returncode == 0, err
     assert "warm-up: compiling prefill 1 of" in err and "warm-up: compiling verify round" in err
     assert "/health answers 503 'starting' until ready" in err
+
+
+def test_demo_explains_only_what_its_measurement_shows():
+    """The lines under the demo's table: an arm is called slower only when it was, with its
+    own τ; the SPS sentence only with a profile of more than one bucket."""
+    from dspark_jax.sched.sps import SPSTable
+
+    rows = {
+        ("no speculation", 0.0): ("none", 1.0, 300.0, []),
+        ("DSpark", 0.0): ("topk", 1.83, 120.0, []),
+        ("no speculation", 1.0): ("none", 1.0, 300.0, []),
+        ("DSpark", 1.0): ("topk", 2.9, 330.0, []),
+    }
+    lines = serve.demo_explanations(rows, None)
+    assert lines == [
+        "DSpark is slower than no speculation here (tau 1.83 at T = 0): the extra tokens "
+        "per round do not pay for drafting and verifying gamma tokens on a CPU"
+    ]
+    rows["DSpark", 0.0] = ("topk", 2.5, 310.0, [])
+    sps = SPSTable.from_seconds({2: 0.01, 8: 0.02})
+    (line,) = serve.demo_explanations(rows, sps)
+    assert line.startswith("on this machine a round verifying 8 tokens costs 2.0x one verifying 2")
