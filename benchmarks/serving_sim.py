@@ -48,6 +48,21 @@ ARMS = (  # (arm name, scheduler, drafter) as benchmarks/serving.py builds them
 )
 
 
+def input_target_weights(serving: str, results_dir: str = RESULTS) -> list:
+    """The target fingerprints recorded by the files a simulation replays (the acceptance
+    traces and the serving benchmark; ``None`` where a file recorded none), for
+    ``summarize.py`` to flag a simulation of other models than the bundled ones."""
+    found = set()
+    for fname in ACCEPTANCE_FILES:
+        path = os.path.join(results_dir, fname)
+        if os.path.isfile(path):
+            with open(path) as f:
+                found.add(json.load(f)["config"].get("target", {}).get("weights"))
+    with open(serving) as f:
+        found.add(json.load(f).get("target_weights"))
+    return sorted(found, key=str)
+
+
 def load_traces(drafter: str, temperature: float = 1.0, results_dir: str = RESULTS):
     """Per-prompt traces of one bundled drafter at ``temperature`` over the serving sets,
     calibrated with the drafter's shipped STS (as the server applies it)."""
@@ -510,6 +525,7 @@ def main(argv=None) -> int:
             out = args.out or os.path.join(RESULTS, f"serving_sim_{tag}")
             text = modelled_markdown(res)
             plot(res, out)
+        res["target_weights"] = input_target_weights(args.serving)
         with open(out + ".json", "w") as f:
             json.dump(res, f, indent=1)
         with open(out + ".md", "w") as f:

@@ -83,10 +83,10 @@ def acceptance_section(
         "",
         f"Paper (Qwen3, T = 1): DSpark/DFlash {PAPER_DFLASH}, DSpark/EAGLE-3 {PAPER_EAGLE}.",
         "",
-        "Read T = 0 with care: most of the bundled target's greedy continuations end in short "
-        "loops (the share per set is below), so a greedy τ mostly says whether a drafter's "
-        "argmax happens to land on the loop (τ → γ+1) or not (τ → 1); T = 1 is the comparison "
-        "that matches the paper's.",
+        "Read T = 0 with care: where a greedy continuation ends in a short loop (the share "
+        "per set is below), its τ mostly says whether a drafter's argmax happens to land on "
+        "the loop (τ → γ+1) or not (τ → 1); T = 1 is the comparison that matches the "
+        "paper's.",
         "",
         *_greedy_honesty(rows, drafters, sets),
         "Position-wise conditional acceptance P(accept k | accepted k−1), T = 1:",
@@ -401,10 +401,11 @@ def _demote(line: str) -> str:
     return "##" + line if line.startswith("#") else line
 
 
-def _included(path, title: str, command: str) -> list[str]:
-    """A generated Markdown result file as a section (its own title demoted)."""
+def _included(path, title: str, command: str, note: list[str] = ()) -> list[str]:
+    """A generated Markdown result file as a section (its own title demoted), ``note``
+    lines between the command and the file."""
     text = path.read_text().splitlines()
-    return [title, "", f"    {command}", ""] + [_demote(line) for line in text] + [""]
+    return [title, "", f"    {command}", "", *note] + [_demote(line) for line in text] + [""]
 
 
 def aot_section() -> list[str]:
@@ -791,6 +792,20 @@ def serving_section() -> list[str]:
     return out
 
 
+def _sim_stale_note(md: pathlib.Path) -> list[str]:
+    """Flag a simulation whose inputs (acceptance traces, serving run) recorded other target
+    weights than the bundled target's, or none."""
+    sim = _load(md.with_suffix(".json")) or {}
+    recorded = sim.get("target_weights") or [None]
+    today = _bundled_target_weights()
+    if recorded == [today]:
+        return []
+    other = [w for w in recorded if w != today]
+    return _stale_models_note(
+        other[0] if len(other) == 1 else None, "rerun it after the acceptance and serving runs"
+    )
+
+
 def serving_sim_section() -> list[str]:
     """The simulator's validation against the CPU benchmark, then its modelled runs."""
     out = []
@@ -800,6 +815,7 @@ def serving_sim_section() -> list[str]:
             val,
             "## Serving simulator: validation on CPU",
             "python benchmarks/serving_sim.py --validate",
+            _sim_stale_note(val),
         )
     for path in sorted(RESULTS.glob("serving_sim_*.md")):
         if path == val:
@@ -809,6 +825,7 @@ def serving_sim_section() -> list[str]:
             "## Simulated serving on modelled TPU (Figs. 7–8 analog)",
             "python benchmarks/serving_sim.py --roofline benchmarks/results/"
             + path.stem.replace("serving_sim_", "roofline_"),
+            _sim_stale_note(path),
         )
     return out
 

@@ -52,3 +52,15 @@ def test_ablation_flags_only_runs_on_the_bundled_target(summarize):
     fresh = copy.deepcopy(abl)
     fresh["runs"]["eagle3"]["target_weights"] = "aaaaaaaaaaaaaaaa"
     assert summarize._ablation_stale_note(fresh) == []
+
+
+def test_simulations_are_flagged_by_the_weights_of_what_they_replay(summarize, tmp_path):
+    md = tmp_path / "serving_sim_x.md"
+    md.write_text("table\n")
+    (tmp_path / "serving_sim_x.json").write_text(json.dumps({"target_weights": [None]}))
+    assert "recorded no target fingerprint" in " ".join(summarize._sim_stale_note(md))
+    (tmp_path / "serving_sim_x.json").write_text(json.dumps({"target_weights": ["a" * 16]}))
+    assert summarize._sim_stale_note(md) == []
+    mixed = {"target_weights": ["a" * 16, "b" * 16]}  # new acceptance, old serving run
+    (tmp_path / "serving_sim_x.json").write_text(json.dumps(mixed))
+    assert "target weights `bbbbbbbbbbbbbbbb`" in " ".join(summarize._sim_stale_note(md))
