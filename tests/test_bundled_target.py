@@ -1,4 +1,4 @@
-"""The bundled target (assets/target, v2) and the first bundled target it replaced
+"""The bundled target (assets/target, v3) and the first bundled target
 (assets/target_v1) load everywhere and match their model cards; the bundled drafters record
 the bundled target's weights and refuse any other, the old target included."""
 
