@@ -89,7 +89,13 @@ def _result(args, points: dict) -> dict:
         if ds in points and e3 in points:
             row["dspark_tau_tf"] = points[ds]["heldout_tau_tf"]
             row["eagle3_tau_tf"] = points[e3]["heldout_tau_tf"]
-            row["ratio"] = row["dspark_tau_tf"] / row["eagle3_tau_tf"]
+            # A ratio only between runs trained against the same target weights: after the
+            # bundled target changes, a partial re-run leaves rows pairing a new run with an
+            # old one, and their ratio would mix two targets.
+            if points[ds].get("target_weights") == points[e3].get("target_weights"):
+                row["ratio"] = row["dspark_tau_tf"] / row["eagle3_tau_tf"]
+            else:
+                row["unpaired"] = "the two runs trained against different target weights"
         factors.append(row)
     return {
         # The runs in the file may come from several calls; this one command remakes them all.

@@ -900,28 +900,58 @@ def drafter_training_section() -> list[str]:
             "| factor | DSpark run | τ_tf | EAGLE-3 run | τ_tf | DSpark/EAGLE-3 |",
             "|---|---|---|---|---|---|",
         ]
-        for f in abl["factors"]:
-            if "ratio" not in f:
-                continue
-            out.append(
-                f"| {f['factor']} | `{f['dspark_run']}` | {f['dspark_tau_tf']:.3f} | "
-                f"`{f['eagle3_run']}` | {f['eagle3_tau_tf']:.3f} | {f['ratio']:.3f} |"
-            )
+        out += _ablation_factor_rows(abl)
         out += [
             "",
             "Runs (config, overrides, steps, wall time on 2 CPU cores shared with other "
-            "jobs, so wall times are not comparable across runs; the budget is FLOPs):",
+            "jobs, so wall times are not comparable across runs; the budget is FLOPs; "
+            "target: the weights the run trained against):",
             "",
-            "| run | config | overrides | steps | τ_tf | mean α | wall s |",
-            "|---|---|---|---|---|---|---|",
+            "| run | config | overrides | target | steps | τ_tf | mean α | wall s |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for name, r in abl["runs"].items():
             over = ", ".join(f"`{o}`" for o in r["overrides"]) or "–"
             out.append(
-                f"| `{name}` | `{r['config']}` | {over} | {r['step']} | "
-                f"{r['heldout_tau_tf']:.3f} | {r['heldout_accept_mean']:.3f} | {r['wall_s']} |"
+                f"| `{name}` | `{r['config']}` | {over} | {_ablation_run_target(r)} | "
+                f"{r['step']} | {r['heldout_tau_tf']:.3f} | {r['heldout_accept_mean']:.3f} | "
+                f"{r['wall_s']} |"
             )
         out.append("")
+    return out
+
+
+def _ablation_run_target(run: dict) -> str:
+    """Which target a controlled run trained against: today's bundled one, the one its
+    ``target.dir`` override names, or earlier bundled weights."""
+    override = [o.split("=", 1)[1] for o in run["overrides"] if o.startswith("target.dir=")]
+    if override:
+        return f"`{override[0]}`"
+    if run.get("target_weights") == _bundled_target_weights():
+        return "bundled"
+    return f"earlier (`{run.get('target_weights')}`)"
+
+
+def _ablation_factor_rows(abl: dict) -> list[str]:
+    """One table row per factor measured; a ratio only between two runs trained against the
+    same target weights (after a partial re-run on a new target, a row may pair a new run
+    with an old one), and rows on earlier bundled weights marked as such."""
+    out = []
+    for f in abl["factors"]:
+        if "dspark_tau_tf" not in f:
+            continue
+        ds, e3 = abl["runs"][f["dspark_run"]], abl["runs"][f["eagle3_run"]]
+        if ds.get("target_weights") != e3.get("target_weights"):
+            ratio = "– (runs on different targets)"
+        else:
+            ratio = f"{f['dspark_tau_tf'] / f['eagle3_tau_tf']:.3f}"
+        factor = f["factor"]
+        if _ablation_run_target(ds).startswith("earlier"):
+            factor += " (earlier target)"
+        out.append(
+            f"| {factor} | `{f['dspark_run']}` | {f['dspark_tau_tf']:.3f} | "
+            f"`{f['eagle3_run']}` | {f['eagle3_tau_tf']:.3f} | {ratio} |"
+        )
     return out
 
 

@@ -64,3 +64,30 @@ def test_simulations_are_flagged_by_the_weights_of_what_they_replay(summarize, t
     mixed = {"target_weights": ["a" * 16, "b" * 16]}  # new acceptance, old serving run
     (tmp_path / "serving_sim_x.json").write_text(json.dumps(mixed))
     assert "target weights `bbbbbbbbbbbbbbbb`" in " ".join(summarize._sim_stale_note(md))
+
+
+def test_ablation_pairs_runs_only_on_one_target(summarize):
+    """A partial re-run after the target changed leaves rows whose two runs trained against
+    different weights: no ratio for those, and rows on earlier weights say so."""
+    run = {"overrides": [], "heldout_tau_tf": 2.0}
+    abl = {
+        "runs": {
+            "dspark": {**run, "target_weights": "aaaaaaaaaaaaaaaa"},
+            "eagle3": {**run, "target_weights": "aaaaaaaaaaaaaaaa", "heldout_tau_tf": 1.6},
+            "dspark_l5": {**run, "target_weights": None},
+            "dspark_g4": {**run, "target_weights": None},
+            "eagle3_g4": {**run, "target_weights": None, "heldout_tau_tf": 1.0},
+        },
+        "factors": [
+            {"factor": f, "dspark_run": d, "eagle3_run": e}
+            for f, d, e in [("bundled", "dspark", "eagle3"), ("depth", "dspark_l5", "eagle3"),
+                            ("gamma", "dspark_g4", "eagle3_g4")]
+        ],
+    }  # fmt: skip
+    for f in abl["factors"]:
+        f["dspark_tau_tf"] = abl["runs"][f["dspark_run"]]["heldout_tau_tf"]
+        f["eagle3_tau_tf"] = abl["runs"][f["eagle3_run"]]["heldout_tau_tf"]
+    rows = summarize._ablation_factor_rows(abl)
+    assert rows[0].endswith("| 1.250 |") and "earlier" not in rows[0]
+    assert rows[1].endswith("| – (runs on different targets) |")
+    assert "gamma (earlier target)" in rows[2] and rows[2].endswith("| 2.000 |")
