@@ -177,3 +177,54 @@ def test_verify_cost_benchmark_runs_with_chosen_budgets(tmp_path):
     assert set(res["round_seconds_by_B"]) == {"2", "5", "8"}  # B = R + K for K = 0, 3, R·γ
     assert res["attention"] == "xla" and res["draft_seconds"]["features_reprojected"] is None
     assert json.load(open(out))["sps_table"] and open(out[:-5] + ".md").read()
+
+
+def test_verify_cost_times_rounds_at_each_context_beside_the_modelled_chip(tmp_path):
+    """The accelerator run's options: rounds timed with every slot at each context length,
+    the chip's floor-modelled round beside them, no anatomy (one decode state at a time)."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import verify_cost
+
+    out = str(tmp_path / "vc.json")
+    res = verify_cost.main([
+        "--preset", "tiny", "--slots", "2", "--gamma", "3", "--max-len", "64",
+        "--budgets", "0", "--dtype", "float32", "--attention", "xla", "--contexts", "60,1",
+        "--modelled-chip", "H200", "--no-anatomy", "--no-feature-draft", "--repeats", "1",
+        "--out", out,
+    ])  # fmt: skip
+    assert list(res["by_context"]) == ["60", "1"] and "anatomy_seconds" not in res
+    long, short = res["by_context"]["60"], res["by_context"]["1"]
+    for entry in (long, short):
+        assert set(entry["modelled_seconds_by_B"]) == {"2", "8"}
+        assert entry["measured_over_modelled_by_B"]["2"] > 0
+    # The floor reads each slot's KV up to its length: a longer context costs more.
+    assert long["modelled_seconds_by_B"]["2"] > short["modelled_seconds_by_B"]["2"]
+    assert json.load(open(out))["by_context"] == res["by_context"]
+    assert "H200 modelled" in open(out[:-5] + ".md").read()
+    with pytest.raises(SystemExit, match="--modelled-chip"):
+        verify_cost.main(["--preset", "tiny", "--modelled-chip", "A100", "--out", out])
+    with pytest.raises(ValueError, match=r"context_len must be in \[1, max_len - γ - 1 = 60\]"):
+        verify_cost.main([
+            "--preset", "tiny", "--slots", "2", "--gamma", "3", "--max-len", "64",
+            "--budgets", "0", "--contexts", "61", "--no-anatomy", "--out", out,
+        ])  # fmt: skip
+
+
+def test_gpu_attention_check_passes_the_kernel_interpreted(tmp_path):
+    """benchmarks/gpu_attention_check.py (the device run's gate before it picks pallas_gpu)
+    on tiny shapes: both backends match the dense reference within tolerance."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import gpu_attention_check
+
+    res = gpu_attention_check.main(["--quick", "--out", str(tmp_path / "g.json")])
+    assert res["pallas_gpu_ok"] and res["reference"] == "ref_ragged_paged_attention"
+    for dtype, errs in res["errors"].items():
+        assert all(e <= res["tolerance"][dtype] for e in errs.values()), errs
+    assert set(res["verify_ms"]["16"]) >= {"xla", "pallas_gpu"}

@@ -546,23 +546,32 @@ class SpeculativeDecoder:
         )
         return state, PrefillOutput(first, finish, *self._logprobs(logits, first))
 
-    def profile_step_fns(self, budgets, seed: int = 0) -> dict[int, Callable[[], Array]]:
+    def profile_step_fns(
+        self, budgets, seed: int = 0, context_len: int = 1
+    ) -> dict[int, Callable[[], Array]]:
         """One zero-argument callable per verify budget ``K``, keyed by ``B = R + K``.
 
         Each call runs the decoder's own compiled round at that bucket on a state where
-        every slot is active and exactly ``K`` drafts are verified (``topk`` through the
-        fused round, every other arm through ``plan`` + ``commit`` with the plan's lengths
-        filled to ``K``), then resets the slots so repeated calls never run out of room.
+        every slot is active, holds ``context_len`` committed positions (attention reads
+        each slot's pages up to its length, so a round's cost grows with it) and exactly
+        ``K`` drafts are verified (``topk`` through the fused round, every other arm
+        through ``plan`` + ``commit`` with the plan's lengths filled to ``K``), then resets
+        the slots so repeated calls never run out of room.
         Feed the result to ``dspark_jax.sched.sps.profile_sps`` / ``load_or_profile``.
         """
         c, r, g = self.config, self.config.num_slots, self.gamma
         if c.max_len < g + 3:
             raise ValueError(f"max_len {c.max_len} is too small to profile γ={g} (need >= γ+3)")
+        if not 1 <= context_len <= c.max_len - g - 1:
+            raise ValueError(
+                f"context_len must be in [1, max_len - γ - 1 = {c.max_len - g - 1}] so a "
+                f"round's γ + 1 positions fit, got {context_len}"
+            )
         ks = sorted({self._check_budget(k) for k in budgets})
         if not ks:
             raise ValueError("profile_step_fns needs at least one budget")
         reset = dict(
-            seq_len=np.ones((r,), np.int32),
+            seq_len=np.full((r,), context_len, np.int32),
             anchor=np.zeros((r,), np.int32),
             active=np.ones((r,), bool),
             remaining=np.full((r,), c.max_len, np.int32),
