@@ -31,7 +31,7 @@ from dspark_jax.ops import paged_attention as pa
 from dspark_jax.sched.sps import median_seconds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
+TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}  # XLA:GPU runs float32 dots in TF32
 
 
 def make_case(rng, dtype, seqs, max_len, heads, kv_heads, d, page_size, gamma, kv_len=None):

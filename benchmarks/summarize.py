@@ -396,6 +396,62 @@ def verify_section(vc) -> list[str]:
     )
 
 
+def gpu_section() -> list[str]:
+    """The H200 lease: the Pallas GPU kernel's check and timing, and the 8B round's
+    measured cost beside the floor model (``scripts/device_verify_cost.sh``)."""
+    check = _load(RESULTS / "gpu_attention_h200.json")
+    if check is None:
+        return []
+    command = "OUT=benchmarks/results bash scripts/device_verify_cost.sh   # on a GPU machine"
+    out = [
+        "## On an H200: verify attention and the 8B round",
+        "",
+        f"    {command}",
+        "",
+        f"{check['device']}, jax {check['jax']}. Verify attention at Qwen3-8B's shape "
+        f"({check['shape']['heads']} query heads over {check['shape']['kv_heads']} KV heads, "
+        f"head_dim {check['shape']['head_dim']}, pages of {check['shape']['page_size']}); "
+        f"max |error| against jax's `{check['reference']}`:",
+        "",
+        "| dtype | xla | pallas_gpu | tolerance |",
+        "|---|---|---|---|",
+    ]
+    for dtype, errs in check["errors"].items():
+        cells = [e if isinstance(e, str) else f"{e:.1e}" for e in errs.values()]
+        out.append(f"| {dtype} | {' | '.join(cells)} | {check['tolerance'][dtype]:g} |")
+    out += [
+        "",
+        f"Time of one verify attention pass, {check['slots']} slots × {check['gamma'] + 1} "
+        "rows, bf16, median:",
+        "",
+        "| context | xla ms | pallas_gpu ms | xla / pallas_gpu | KV read by pallas_gpu |",
+        "|---|---|---|---|---|",
+    ]
+    for ctx, row in check["verify_ms"].items():
+        if "pallas_gpu" not in row:
+            continue
+        rate = row["kv_bytes"] / (row["pallas_gpu"] * 1e-3) / 1e12
+        out.append(
+            f"| {ctx} | {row['xla']:.2f} | {row['pallas_gpu']:.2f} | "
+            f"{row['xla'] / row['pallas_gpu']:.1f}× | {rate:.2f} TB/s |"
+        )
+    out.append("")
+    err = RESULTS / "verify_cost_h200_pallas_gpu_error.txt"
+    if err.exists():
+        last = err.read_text().strip().splitlines()
+        reason = next((line for line in reversed(last) if "Error" in line), last[-1])
+        reason = reason.strip().rstrip(".")
+        out += [
+            "The round with `--attention pallas_gpu` stopped while tracing on this jax/flax "
+            f"pair (`{err.name}`): `{reason}`. The round below uses `--attention xla`.",
+            "",
+        ]
+    if (RESULTS / "verify_cost_h200_xla.md").exists():
+        out += [_demote(line) for line in (RESULTS / "verify_cost_h200_xla.md").read_text()
+                .splitlines()] + [""]  # fmt: skip
+    return out
+
+
 def _demote(line: str) -> str:
     """A result file's headings, two levels down (its title becomes ###)."""
     return "##" + line if line.startswith("#") else line
@@ -979,6 +1035,7 @@ def main() -> None:
     lines += drafter_training_section()
     lines += calibration_section(sts, acc)
     lines += verify_section(_load(RESULTS / "verify_cost.json"))
+    lines += gpu_section()
     lines += compile_section(_load(RESULTS / "compile_time.json"))
     lines += aot_section()
     lines += roofline_section()
