@@ -229,13 +229,13 @@ def depth_section(acc, main_acc=None) -> list[str]:
     out = [
         "## Draft depth (2 vs 5 layers)",
         "",
-        "DSpark and DFlash retrained with 5 draft layers (DeepSpec's released depth) under the "
-        "bundled budget (same data, 400 steps), T = 1, otherwise as the Table 1 analog:",
+        "DSpark and DFlash retrained with 5 draft layers (DeepSpec's released depth), each at "
+        "its bundled steps and data (more FLOPs per step than the 2-layer drafter), T = 1, "
+        "otherwise as the Table 1 analog:",
         "",
-        "    python train.py --config configs/drafter_dspark.py --config.drafter.num_layers=5 "
-        "--workdir workdirs/dspark_l5",
-        "    python -m dspark_jax.export --workdir workdirs/dspark_l5 --out "
-        "workdirs/drafters/dspark-l5 --dtype bfloat16   # likewise dflash",
+        "    python benchmarks/drafter_ablation.py --runs dspark_l5 dflash_l5",
+        "    python -m dspark_jax.export --workdir workdirs/ablation/dspark_l5 --out "
+        "workdirs/drafters/dspark-l5 --dtype bfloat16   # likewise dflash_l5",
         f"    {cmd}",
         "",
         "| set | "

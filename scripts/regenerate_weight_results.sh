@@ -35,11 +35,22 @@ python -m dspark_jax.eval plot --results benchmarks/results/acceptance.json \
 # A drafter checkpoint records its target's weights and refuses to resume against others,
 # so runs trained against the previous target start afresh; the target-strength runs
 # (*_v1, against assets/target_v1) do not depend on the bundled target and are kept.
-ABLATION=(eagle3_steps dspark_2x dspark_768 eagle3_768 dspark_l5 dspark_g4 eagle3_g4
+ABLATION=(eagle3_steps dspark_2x dspark_768 eagle3_768 dspark_l5 dflash_l5 dspark_g4 eagle3_g4
           dspark_r64 dspark_decay7)
 rm -rf workdirs/data_curve "${ABLATION[@]/#/workdirs/ablation/}"
 python benchmarks/drafter_data_curve.py --records 768 1536 3072
 python benchmarks/drafter_ablation.py --runs dspark dspark_rnn dflash eagle3 mtp1 "${ABLATION[@]}"
+# Draft depth, decoded: the 5-layer DSpark and DFlash runs beside the bundled 2-layer ones.
+for run in dspark_l5 dflash_l5; do
+    python -m dspark_jax.export --workdir "workdirs/ablation/$run" \
+        --out "workdirs/drafters/${run/_/-}" --dtype bfloat16
+done
+python -m dspark_jax.eval acceptance --target assets/target --drafter assets/drafters/dspark \
+    --drafter workdirs/drafters/dspark-l5 --drafter assets/drafters/dflash \
+    --drafter workdirs/drafters/dflash-l5 \
+    --prompts "$SETS/humaneval.jsonl" --prompts "$SETS/mbpp.jsonl" \
+    --temperature 1.0 --gamma 7 --max-new-tokens 64 --limit 24 --slots 12 \
+    --out benchmarks/results/acceptance_depth.json
 
 # Serving under load (Figs. 7-8 analog), greedy and T = 1, and the simulator's validation
 # against it.
