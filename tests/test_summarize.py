@@ -91,3 +91,29 @@ def test_ablation_pairs_runs_only_on_one_target(summarize):
     assert rows[0].endswith("| 1.250 |") and "earlier" not in rows[0]
     assert rows[1].endswith("| – (runs on different targets) |")
     assert "gamma (earlier target)" in rows[2] and rows[2].endswith("| 2.000 |")
+
+
+def test_gpu_section_reports_the_kernel_and_why_the_round_used_xla(summarize, tmp_path,
+                                                                   monkeypatch):  # fmt: skip
+    """The GPU lease's section: kernel errors against their tolerance, the speed-up and the
+    kernel's KV read rate from the timings, and the traced error when the kernel's round
+    failed; nothing at all without a GPU run."""
+    monkeypatch.setattr(summarize, "RESULTS", tmp_path)
+    assert summarize.gpu_section() == []
+    check = {
+        "device": "gpu NVIDIA H200", "jax": "0.11.2", "reference": "ref_ragged_paged_attention",
+        "shape": {"heads": 32, "kv_heads": 8, "head_dim": 128, "page_size": 16},
+        "slots": 64, "gamma": 7, "errors": {"float32": {"xla": 2e-4, "pallas_gpu": 4e-4}},
+        "tolerance": {"float32": 1e-3},
+        "verify_ms": {"2048": {"xla": 6.0, "pallas_gpu": 0.5, "kv_bytes": 10**9},
+                      "4080": {"xla": 12.0, "kv_bytes": 2 * 10**9}},
+    }  # fmt: skip
+    (tmp_path / "gpu_attention_h200.json").write_text(json.dumps(check))
+    (tmp_path / "verify_cost_h200_pallas_gpu_error.txt").write_text(
+        "Traceback (most recent call last):\n  File x\nValueError: it broke.\n"
+    )
+    text = "\n".join(summarize.gpu_section())
+    assert "| float32 | 2.0e-04 | 4.0e-04 | 0.001 |" in text
+    assert "| 2048 | 6.00 | 0.50 | 12.0× | 2.00 TB/s |" in text
+    assert "| 4080 |" not in text  # no kernel timing there: no row
+    assert "`ValueError: it broke`. The round below uses `--attention xla`." in text
