@@ -461,3 +461,29 @@ def test_page_exhaustion_queues_requests_and_loses_none(setup):
         assert engine.compilations_after_warmup == 0
     finally:
         engine.shutdown(drain=False, timeout=30)
+
+
+def test_a_kernel_backend_that_does_not_compile_names_itself_and_the_fallback(setup, monkeypatch):
+    """A verify round that fails to trace under a kernel attention backend (seen on one
+    jax/flax pair for pallas_gpu) stops start-up with the backend, the versions and the
+    way out, above the library's own error."""
+    from dspark_jax.decode.policy import RoundPolicy
+    from dspark_jax.serve.compilation import ServingShapes
+
+    tok, target, tp, _ = setup
+    _, _, drafter, dp = tiny_random_models(tok, "dspark", gamma=3, max_len=MAX_LEN)
+
+    def broken(self, state, progress=None):
+        raise ValueError("broadcasted variable has a data dependency on the scan body.")
+
+    monkeypatch.setattr(RoundPolicy, "warmup", broken)
+    # The prefill programs compile fine either way; skip them (seconds on CPU).
+    monkeypatch.setattr(ServingShapes, "prefill_many", lambda self, state, rows: (state, None))
+    monkeypatch.setattr(ServingShapes, "_fill_all_slots", lambda self, state: state)
+    cfg = EngineConfig(num_slots=2, max_len=MAX_LEN, scheduler="fixed", attention="pallas_gpu")
+    with pytest.raises(RuntimeError) as err:
+        Engine(target, tp, tok, drafter, dp, cfg).start()
+    text = str(err.value)
+    assert "attention backend 'pallas_gpu'" in text and "--attention xla" in text
+    assert "broadcasted variable has a data dependency" in text
+    assert isinstance(err.value.__cause__, ValueError)

@@ -169,7 +169,23 @@ class ServingShapes:
             def on_bucket(k, i, n):
                 progress("compiling verify round", i, n, f"B = {r + k}")
 
-            state = self.policy.warmup(state, on_bucket if shown else None)
+            try:
+                state = self.policy.warmup(state, on_bucket if shown else None)
+            except Exception as e:
+                backend = self.decoder.attention
+                if backend == "xla":
+                    raise
+                # A kernel backend that does not trace or compile on this jax/flax (seen:
+                # pallas_gpu under flax 0.12.10's layer scan on jax 0.11.2): say which, and
+                # what to run instead, above the library's own error.
+                import flax
+
+                raise RuntimeError(
+                    f"the verify round did not compile with attention backend {backend!r} "
+                    f"(jax {jax.__version__}, flax {flax.__version__}): "
+                    f"{type(e).__name__}: {e}. Start with --attention xla (StepConfig."
+                    "attention='xla') to serve with the XLA reference attention."
+                ) from e
             state = self.decoder.release(state, 0)
         jax.block_until_ready(state.seq_len)
         self._baseline = self.decoder.compiled_executables()
