@@ -298,3 +298,32 @@ def test_backends_split_over_kv_heads_equal_the_unsplit_result(backend):
         # The kernel runs per device (shard_map over the heads); the reference needs none.
         assert ("shard_map" in str(jax.make_jaxpr(attend)(qs, kvs))) == (backend != "xla")
     np.testing.assert_allclose(np.asarray(out), np.asarray(base), atol=1e-5, rtol=1e-5)
+
+
+def test_serving_round_with_the_gpu_kernel_lowers_for_cuda():
+    """The whole verify+commit round (the target's layer scan included) traced with the
+    real pallas_gpu kernel and lowered for CUDA on the pinned jax/flax (README: this
+    lowers here; on jax 0.11.2/flax 0.12.10 it stopped tracing on an H200)."""
+    import flax.linen as nn
+    import jax
+
+    from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
+    from dspark_jax.models.drafters import DrafterConfig, init_drafter_params, make_drafter
+    from dspark_jax.models.presets import get_preset
+    from dspark_jax.models.qwen3 import Qwen3
+    from dspark_jax.ops.flash_attention import compile_platform
+
+    cfg = get_preset("tiny").replace(head_dim=16)
+    target = Qwen3(cfg)
+    tp = nn.unbox(target.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    dcfg = DrafterConfig(kind="dspark", gamma=3, num_layers=1, mask_token_id=cfg.vocab_size - 1)
+    drafter = make_drafter(dcfg, cfg)
+    dp = nn.unbox(init_drafter_params(drafter, jax.random.key(1)))
+    config = StepConfig(num_slots=2, max_len=64, scheduler="prefix", attention="pallas_gpu")
+    dec = SpeculativeDecoder(target, tp, drafter, dp, config)
+    _, plan = dec._plan(dec._params, dec.init_state(), 6)
+    with compile_platform("gpu"):
+        lowered = dec._commit.trace(dec._params, dec.init_state(), plan, 6).lower(
+            lowering_platforms=("cuda",)
+        )
+    assert lowered.as_text().count("xla.gpu.triton") >= 1
