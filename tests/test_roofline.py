@@ -157,6 +157,43 @@ def test_hbm_bytes_count_a_prefetched_weight_once_and_a_gather_by_its_rows():
     assert every["by_scope"]["jit(f)/head"] == w + 2 * act
 
 
+_ALLREDUCE_HLO = """HloModule m
+
+%add (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%a, %b)
+}
+
+ENTRY %main (x: bf16[8,1,64], y: bf16[8,1,64]) -> (bf16[8,1,64], bf16[8,1,64], bf16[8,1,64], bf16[8,1,64], bf16[4,64]) {
+  %x = bf16[8,1,64]{2,0,1} parameter(0)
+  %y = bf16[8,1,64]{2,0,1:S(1)} parameter(1)
+  %hbm = bf16[8,1,64]{2,0,1} all-reduce(%x), to_apply=%add, metadata={op_name="jit(r)/Qwen3.decode/layer/mlp/down_proj/dot_general"}
+  %vmem = bf16[8,1,64]{2,0,1:S(1)} all-reduce(%y), to_apply=%add, metadata={op_name="jit(r)/Qwen3.decode/layer/o_proj/dot_general"}
+  %into_vmem = bf16[8,1,64]{2,0,1:S(1)} all-reduce(%x), to_apply=%add, metadata={op_name="jit(r)/Qwen3.decode/layer/o_proj/dot_general"}
+  %drafter = bf16[8,1,64]{2,0,1} all-reduce(%x), to_apply=%add, metadata={op_name="jit(r)/DSpark.draft/o_proj/dot_general"}
+  %small = bf16[4,64]{1,0} slice(%x), slice={[0:4], [0:1], [0:64]}
+  %other = bf16[4,64]{1,0} all-reduce(%small), to_apply=%add, metadata={op_name="jit(r)/Qwen3.decode/layer/x"}
+  ROOT %t = (bf16[8,1,64]{2,0,1}, bf16[8,1,64]{2,0,1:S(1)}, bf16[8,1,64]{2,0,1:S(1)}, bf16[8,1,64]{2,0,1}, bf16[4,64]{1,0}) tuple(%hbm, %vmem, %into_vmem, %drafter, %other)
+}
+"""
+
+
+def test_hidden_all_reduces_count_only_the_targets_held_in_hbm():
+    """``hbm_all_reduces`` counts an all-reduce of rows × d elements under the scope whose
+    input and output both lie in HBM; not one kept in VMEM (input or output), not another
+    scope's (the drafter's), not another size. Each such all-reduce costs 4 passes."""
+    from dspark_jax.perf.hlo_bytes import hbm_all_reduces
+
+    assert hbm_all_reduces(_ALLREDUCE_HLO, 8 * 64, "Qwen3.decode/") == 1
+    assert hbm_all_reduces(_ALLREDUCE_HLO, 8 * 64, "DSpark.draft/") == 1
+    assert hbm_all_reduces(_ALLREDUCE_HLO, 4 * 64, "Qwen3.decode/") == 1
+    assert hbm_all_reduces(_ALLREDUCE_HLO, 16 * 64, "Qwen3.decode/") == 0
+    # Matmul writes, all-reduce reads and writes, norm reads: 4 passes of [rows, d] bf16.
+    assert rl.allreduce_activation_bytes(3, rows=8, width=64) == 3 * 4 * 8 * 64 * 2
+    assert rl.allreduce_activation_bytes(0, rows=8, width=64) == 0
+
+
 def test_verify_cost_benchmark_runs_with_chosen_budgets(tmp_path):
     """benchmarks/verify_cost.py end to end on a tiny model with the options an
     accelerator run uses (chosen budgets, a dtype, the attention backend, no feature-draft

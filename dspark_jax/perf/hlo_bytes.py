@@ -37,6 +37,7 @@ it gathers (``instruction_bytes``).
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -368,4 +369,29 @@ def parameter_relayouts(hlo_text: str) -> dict[str, int]:
     return dict(out)
 
 
-__all__ = ["bytes_by_scope", "instruction_bytes", "parameter_relayouts", "parse_hlo"]
+def hbm_all_reduces(hlo_text: str, elements: int, scope: str) -> int:
+    """How many executed all-reduces under the JAX name scope ``scope`` (a substring of
+    the op name, e.g. ``Qwen3.decode/``) reduce one array of ``elements`` elements (a
+    hidden state per row: rows × d) whose input and output both lie in HBM, so that its
+    producer writes it there and its consumer reads it back. XLA:TPU keeps a small one in
+    VMEM (none of this traffic then reaches HBM)."""
+    comps = parse_hlo(hlo_text)
+    n = 0
+    for comp in _executed(comps):
+        for instr in comp.instrs:
+            if instr.opcode != "all-reduce" or len(instr.operands) != 1:
+                continue
+            m = _OP_NAME.search(instr.line)
+            dims = re.match(r"\w+\[([\d,]*)\]", instr.type_text)
+            if not (m and scope in m.group(1) and dims):
+                continue
+            size = math.prod(int(x) for x in dims.group(1).split(",") if x)
+            src = comp.by_name.get(instr.operands[0])
+            if size == elements and instr.hbm_bytes and src is not None and src.hbm_bytes:
+                n += 1
+    return n
+
+
+__all__ = [
+    "bytes_by_scope", "hbm_all_reduces", "instruction_bytes", "parameter_relayouts", "parse_hlo",
+]  # fmt: skip

@@ -191,6 +191,20 @@ def round_floor_bytes(per_device: dict[str, int], context_fraction: float = 1.0)
     return {"bytes": sum(parts.values()), "parts": parts}
 
 
+# HBM passes of one row's hidden state per all-reduce that XLA:TPU leaves in HBM: the
+# row-parallel matmul (o_proj, down_proj; the vocabulary-split embedding) writes its partial
+# sums, the all-reduce reads and writes them, the residual-add + norm fusion reads the sum.
+ALLREDUCE_PASSES = 4
+
+
+def allreduce_activation_bytes(all_reduces: int, rows: int, width: int, dtype_bytes=2) -> float:
+    """Bytes per chip that ``all_reduces`` all-reduces of a ``[rows, width]`` activation
+    held in HBM (``perf.hlo_bytes.hbm_all_reduces``) move: ``ALLREDUCE_PASSES`` passes of
+    it each. Every tensor-parallel chip moves all of it for every row however small its
+    weight share; a sequence-parallel layout (reduce-scatter, all-gather) would cut it."""
+    return float(all_reduces * ALLREDUCE_PASSES * rows * width * dtype_bytes)
+
+
 def _layer_flops(c, rows: int, context_len: int) -> float:
     """One Qwen3 decoder layer on ``rows`` tokens attending to ``context_len`` keys."""
     d, h, kvh, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
