@@ -298,8 +298,9 @@ def growth_lines(res: dict) -> list[str]:
             f"`perf.roofline.allreduce_activation_bytes`) they account for "
             f"{share / 1e9:.2f} GB of the growth; B = {first['B']}'s HBM bytes plus that "
             f"are {reach / 1e9:.2f} GB, {reach / last['floor_bytes']:.2f}× the floor at "
-            f"B = {last['B']} (derived). Only a layout whose all-reduces shrink with the "
-            "tensor ways (sequence parallelism) goes below that.",
+            f"B = {last['B']} (derived). With the all-reduces where XLA put them, only a "
+            "layout whose all-reduces shrink with the tensor ways (sequence parallelism) "
+            "goes below that.",
         ]
     return [
         "",

@@ -692,7 +692,8 @@ class _ScannedLayers(nn.Module):
             # that checks loop invariance only costs trace time (one more trace of the
             # whole layer). It is also where jax 0.11.2 + flax 0.12.10 rejected the round
             # with the pallas_gpu kernel on an H200 ("broadcasted variable has a data
-            # dependency on the scan body", benchmarks/results/...pallas_gpu_error.txt).
+            # dependency on the scan body";
+            # benchmarks/results/verify_cost_h200_pallas_gpu_error.txt).
             check_constancy_invariants=False,
         )
         kv_flat, pages = None, 0
