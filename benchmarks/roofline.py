@@ -298,9 +298,11 @@ def growth_lines(res: dict) -> list[str]:
             f"`perf.roofline.allreduce_activation_bytes`) they account for "
             f"{share / 1e9:.2f} GB of the growth; B = {first['B']}'s HBM bytes plus that "
             f"are {reach / 1e9:.2f} GB, {reach / last['floor_bytes']:.2f}× the floor at "
-            f"B = {last['B']} (derived). With the all-reduces where XLA put them, only a "
-            "layout whose all-reduces shrink with the tensor ways (sequence parallelism) "
-            "goes below that.",
+            f"B = {last['B']} (derived). Sequence parallelism keeps those passes (the "
+            "matmul writes its partial sums, the reduce-scatter reads them, the all-gather "
+            "writes every row back, the next matmul reads it) and only moves the norms and "
+            "residual adds to 1/tensor of the rows; below it needs collectives that never "
+            "hold a full-size buffer in HBM (fused into the matmuls) or fewer tensor ways.",
         ]
     return [
         "",

@@ -201,7 +201,9 @@ def allreduce_activation_bytes(all_reduces: int, rows: int, width: int, dtype_by
     """Bytes per chip that ``all_reduces`` all-reduces of a ``[rows, width]`` activation
     held in HBM (``perf.hlo_bytes.hbm_all_reduces``) move: ``ALLREDUCE_PASSES`` passes of
     it each. Every tensor-parallel chip moves all of it for every row however small its
-    weight share; a sequence-parallel layout (reduce-scatter, all-gather) would cut it."""
+    weight share. A sequence-parallel layout moves as much: its reduce-scatter reads the
+    full partial sums and its all-gather writes the full rows (only the norms and residual
+    adds in between shrink to 1/tensor of the rows)."""
     return float(all_reduces * ALLREDUCE_PASSES * rows * width * dtype_bytes)
 
 
