@@ -5,8 +5,12 @@ all. v3's held-out curve was still falling at its end (3.16 -> 3.11 over its las
 steps, mostly the cosine tail).
 
     python train.py --config configs/target_pycode_v4.py --workdir workdirs/target_pycode_v4
-    python -m dspark_jax.export --workdir workdirs/target_pycode_v4 --out assets/target \\
+    python -m dspark_jax.export --workdir workdirs/target_pycode_v4 --out assets/target_v4 \\
         --dtype bfloat16
+    cp configs/pycode_tokenizer_config.json assets/target_v4/tokenizer_config.json
+
+(``assets/target_v4`` until the drafters are retrained on it; then it becomes
+``assets/target``.)
 
 Continued training (``train.init_from``) from v3's exported weights with fresh AdamW
 moments and data order seed 2. The peak learning rate is half the bundled one (5e-4,

@@ -1,6 +1,6 @@
 """The bundled target (assets/target, v3), the first bundled target (assets/target_v1)
-and the next one (assets/target_v4) load everywhere and match their model cards; the bundled drafters record
-the bundled target's weights and refuse any other, the old target included."""
+and the next one (assets/target_v4) load everywhere and match their model cards; the
+bundled drafters record the bundled target's weights and refuse any other."""
 
 import json
 import pathlib
@@ -71,19 +71,20 @@ def test_bundled_target_heldout_loss_matches_card(tmp_path):
     assert losses["target_v4"] <= 3.0 < losses["target"], losses  # issue 14's goal
 
 
-def test_target_greedy_loop_share_matches_card():
+@pytest.mark.parametrize("target", [TARGET, TARGET_V4], ids=lambda p: p.name)
+def test_target_greedy_loop_share_matches_card(target):
     """The card's share of HumanEval / MBPP greedy continuations that end in a loop."""
     from dspark_jax.convert.loading import load_target
     from dspark_jax.eval.lm import greedy_loop_share
 
-    card = (TARGET / "README.md").read_text()
+    card = (target / "README.md").read_text()
     row = re.search(r"ending in a loop \|\s*humaneval (\d+) % of 24; mbpp (\d+) % of 24", card)
     assert row, "card has no loop-share row"
     sets = ROOT.parent / "shared" / "eval_datasets"  # the benchmark prompt sets
     if not (sets / "humaneval.jsonl").is_file():
         pytest.skip(f"benchmark prompt sets not present at {sets}")
     got = greedy_loop_share(
-        load_target(TARGET, dtype="float32"),
+        load_target(target, dtype="float32"),
         [str(sets / "humaneval.jsonl"), str(sets / "mbpp.jsonl")], 64, 24,
     )["sets"]  # fmt: skip
     assert round(100 * got["humaneval"]["loop_share"]) == int(row.group(1)), got
