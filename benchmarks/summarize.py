@@ -238,6 +238,7 @@ def depth_section(acc, main_acc=None) -> list[str]:
         "workdirs/drafters/dspark-l5 --dtype bfloat16   # likewise dflash_l5",
         f"    {cmd}",
         "",
+        *_stale_models_note(_acceptance_weights(acc)),
         "| set | "
         + " | ".join(f"{d} ({layers[d]} layers)" for d in layers)
         + " | "
@@ -249,8 +250,9 @@ def depth_section(acc, main_acc=None) -> list[str]:
         cells = [f"{tau[(d, s)]:.3f}" if (d, s) in tau else "–" for d in layers]
         ratios = [_ratio(tau.get((a, s)), tau.get((b, s))) for _, a, b in pairs]
         out.append(f"| {s} | " + " | ".join(cells + ratios) + " |")
-    # DSpark at each depth against the bundled EAGLE-3 of the Table 1 run (same prompts).
-    if main_acc is not None:
+    # DSpark at each depth against the bundled EAGLE-3 of the Table 1 run (same prompts),
+    # only when both runs decoded against the same target weights.
+    if main_acc is not None and _acceptance_weights(main_acc) == _acceptance_weights(acc):
         eagle = {
             r["prompt_set"]: r["tau"]
             for r in main_acc["results"]

@@ -9,12 +9,15 @@ mkdir -p workdirs
 
 python -m dspark_jax.data.prepare --kind source_tree --data-dir data/stdlib \
     --train-tokenizer --vocab-size 8192
-# The target in two runs, as it was made: v2 (1.16 epochs), exported, then continued from
-# those exported weights to 3.02 epochs in all (configs/target_pycode_v3.py, train.init_from).
+# The target in three runs, as it was made: v2 (1.16 epochs), exported, then continued from
+# those exported weights to 3.01 epochs (configs/target_pycode_v3.py, train.init_from),
+# exported, then continued again to 4.27 epochs (configs/target_pycode_v4.py).
 python train.py --config configs/target_pycode_v2.py --workdir workdirs/target_pycode_v2
 python -m dspark_jax.export --workdir workdirs/target_pycode_v2 --out assets/target --dtype bfloat16
 python train.py --config configs/target_pycode_v3.py --workdir workdirs/target_pycode_v3
 python -m dspark_jax.export --workdir workdirs/target_pycode_v3 --out assets/target --dtype bfloat16
+python train.py --config configs/target_pycode_v4.py --workdir workdirs/target_pycode_v4
+python -m dspark_jax.export --workdir workdirs/target_pycode_v4 --out assets/target --dtype bfloat16
 # The chat template (comment-style prompts for a base code model) is ours, not the run's.
 cp configs/pycode_tokenizer_config.json assets/target/tokenizer_config.json
 python -m dspark_jax.eval.lm --target assets/target --data-dir data/stdlib

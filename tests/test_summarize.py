@@ -38,6 +38,18 @@ def test_acceptance_tables_flag_other_target_weights(summarize):
     assert "**Not matched to today's models**: the run recorded no target fingerprint" in unknown
 
 
+def test_depth_table_is_flagged_and_not_divided_by_another_targets_eagle3(summarize):
+    with open(os.path.join(REPO, "benchmarks", "results", "acceptance_depth.json")) as f:
+        depth = json.load(f)
+    depth["config"].setdefault("target", {})["weights"] = "bbbbbbbbbbbbbbbb"
+    stale = "\n".join(summarize.depth_section(depth, _acceptance("aaaaaaaaaaaaaaaa")))
+    assert "**Measured on earlier bundled models** (target weights `bbbbbbbbbbbbbbbb`" in stale
+    assert "DSpark / EAGLE-3" not in stale  # a ratio across two targets' runs
+    depth["config"]["target"]["weights"] = "aaaaaaaaaaaaaaaa"
+    fresh = "\n".join(summarize.depth_section(depth, _acceptance("aaaaaaaaaaaaaaaa")))
+    assert "earlier bundled" not in fresh and "DSpark / EAGLE-3 at T = 1" in fresh
+
+
 def test_ablation_flags_only_runs_on_the_bundled_target(summarize):
     abl = {
         "runs": {
