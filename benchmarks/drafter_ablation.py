@@ -47,6 +47,10 @@ RUNS = {
     # steps, 1.9x its bundled 210) rather than a 420-step run: 5 % less compute for
     # EAGLE-3 for one CPU run fewer.
     "dspark_2x": (DSPARK, ["train.steps=800"], "ablation/dspark_2x"),
+    # Four times the compute budget for both arms (4 x 400 and 4 x 210 steps): where the
+    # ratio goes as both arms approach convergence.
+    "dspark_4x": (DSPARK, ["train.steps=1600"], "ablation/dspark_4x"),
+    "eagle3_4x": (EAGLE3, ["train.steps=840"], "ablation/eagle3_4x"),
     # A quarter of the distilled data (768 of 3072 prompts), same steps.
     "dspark_768": (DSPARK, ["data.max_train_records=768"], "ablation/dspark_768"),
     "eagle3_768": (EAGLE3, ["data.max_train_records=768"], "ablation/eagle3_768"),
@@ -70,6 +74,7 @@ FACTORS = [
     ("bundled recipe (equal compute)", "dspark", "eagle3"),
     ("equal steps (400 each; EAGLE-3 1.9x FLOPs)", "dspark", "eagle3_steps"),
     ("training length: 2x compute (EAGLE-3 1.9x)", "dspark_2x", "eagle3_steps"),
+    ("training length: 4x compute", "dspark_4x", "eagle3_4x"),
     ("data size: 768 prompts", "dspark_768", "eagle3_768"),
     ("draft depth: 5 layers (DSpark only)", "dspark_l5", "eagle3"),
     # Same steps as bundled: both steps get cheaper at γ = 4, EAGLE-3's (4 TTT steps, not 7)

@@ -36,7 +36,7 @@ python -m dspark_jax.eval plot --results benchmarks/results/acceptance.json \
 # so runs trained against the previous target start afresh; the target-strength runs
 # (*_v1, against assets/target_v1) do not depend on the bundled target and are kept.
 ABLATION=(eagle3_steps dspark_2x dspark_768 eagle3_768 dspark_l5 dflash_l5 dspark_g4 eagle3_g4
-          dspark_r64 dspark_decay7)
+          dspark_r64 dspark_decay7 dspark_4x eagle3_4x)
 rm -rf workdirs/data_curve "${ABLATION[@]/#/workdirs/ablation/}"
 python benchmarks/drafter_data_curve.py --records 768 1536 3072
 python benchmarks/drafter_ablation.py --runs dspark dspark_rnn dflash eagle3 mtp1 "${ABLATION[@]}"
