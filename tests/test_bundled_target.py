@@ -70,19 +70,19 @@ def test_bundled_target_heldout_loss_matches_card(tmp_path):
     assert losses["target"] <= 3.0, losses  # issue 14's goal for the test-bed target
 
 
-def test_target_greedy_loop_share_matches_card(target=TARGET):
+def test_target_greedy_loop_share_matches_card():
     """The card's share of HumanEval / MBPP greedy continuations that end in a loop."""
     from dspark_jax.convert.loading import load_target
     from dspark_jax.eval.lm import greedy_loop_share
 
-    card = (target / "README.md").read_text()
+    card = (TARGET / "README.md").read_text()
     row = re.search(r"ending in a loop \|\s*humaneval (\d+) % of 24; mbpp (\d+) % of 24", card)
     assert row, "card has no loop-share row"
     sets = ROOT.parent / "shared" / "eval_datasets"  # the benchmark prompt sets
     if not (sets / "humaneval.jsonl").is_file():
         pytest.skip(f"benchmark prompt sets not present at {sets}")
     got = greedy_loop_share(
-        load_target(target, dtype="float32"),
+        load_target(TARGET, dtype="float32"),
         [str(sets / "humaneval.jsonl"), str(sets / "mbpp.jsonl")], 64, 24,
     )["sets"]  # fmt: skip
     assert round(100 * got["humaneval"]["loop_share"]) == int(row.group(1)), got
