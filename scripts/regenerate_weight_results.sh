@@ -52,13 +52,16 @@ python -m dspark_jax.eval acceptance --target assets/target --drafter assets/dra
     --temperature 1.0 --gamma 7 --max-new-tokens 64 --limit 24 --slots 12 \
     --out benchmarks/results/acceptance_depth.json
 
-# Serving under load (Figs. 7-8 analog), greedy and T = 1, and the simulator's validation
-# against it.
+# Serving under load (Figs. 7-8 analog), greedy and T = 1, the simulator's validation
+# against it, and the simulator on modelled TPU.
 SERVING=(--target assets/target --drafter assets/drafters/dspark
          --mtp-drafter assets/drafters/mtp1 --concurrency 1,2,4,8,16,32,64 --time-limit 15
          --max-tokens 48 --slots 16 --requests-per-client 4)
 python benchmarks/serving.py "${SERVING[@]}"
 python benchmarks/serving.py "${SERVING[@]}" --temperature 1
 python benchmarks/serving_sim.py --validate
+# Serving on modelled v5p: replays the T = 1 acceptance records with the host time per round
+# the CPU serving run just measured.
+python benchmarks/serving_sim.py
 
 python benchmarks/summarize.py
