@@ -118,6 +118,20 @@ def _result(args, points: dict) -> dict:
     }
 
 
+def _earlier_points(path: str) -> dict:
+    """The runs an earlier (partial) call wrote to the result file, kept beside new ones."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        earlier = json.load(f).get("runs", {})
+    skip = ("config", "overrides")
+    return {
+        name: {k: v for k, v in run.items() if k not in skip}
+        for name, run in earlier.items()
+        if name in RUNS
+    }
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
@@ -129,23 +143,15 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     from dspark_jax.perf.results import write_result
 
-    points = {}
-    if os.path.isfile(args.out):  # keep runs measured by an earlier (partial) call
-        with open(args.out) as f:
-            earlier = json.load(f).get("runs", {})
-        skip = ("config", "overrides")
-        points = {
-            name: {k: v for k, v in run.items() if k not in skip}
-            for name, run in earlier.items()
-            if name in RUNS
-        }
     for name in args.runs:
         config, overrides, workdir = RUNS[name]
-        points[name] = train_point(
+        point = train_point(
             config,
             os.path.join(args.workdir, workdir),
             [*overrides, f"train.eval_batches={args.eval_batches}"],
         )
+        # Re-read before writing: another call may have added runs to the file meanwhile.
+        points = {**_earlier_points(args.out), name: point}
         write_result(args.out, _result(args, points))
     print(f"wrote {args.out}")
 

@@ -24,20 +24,30 @@ def final_eval(workdir: str) -> dict:
     return evals[-1]
 
 
-def run_target_weights(workdir: str) -> str | None:
-    """The weights fingerprint of the target the run trained against, from its last
-    checkpoint's metadata (``summarize.py`` flags results measured on other models)."""
+def _latest_checkpoint(workdir: str):
+    """``(checkpointer, latest step)`` of a run's workdir; ``(None, None)`` before its first
+    checkpoint (nothing is created)."""
     from dspark_jax.train.checkpoint import Checkpointer
     from dspark_jax.train.trainer import CHECKPOINT_DIR
 
-    ckpt = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), use_async=False)
-    step = ckpt.latest_step()
+    path = os.path.join(workdir, CHECKPOINT_DIR)
+    if not os.path.isdir(path):
+        return None, None
+    ckpt = Checkpointer(path, use_async=False)
+    return ckpt, ckpt.latest_step()
+
+
+def run_target_weights(workdir: str) -> str | None:
+    """The weights fingerprint of the target the run trained against, from its last
+    checkpoint's metadata (``summarize.py`` flags results measured on other models)."""
+    ckpt, step = _latest_checkpoint(workdir)
     return None if step is None else ckpt.meta(step).get("target_fingerprint")
 
 
 def train_wall_s(workdir: str) -> float | None:
-    """Wall seconds of the run's first completion (a resumed run's later calls do not
-    overwrite it; a run resumed after a kill records only its last part)."""
+    """Wall seconds of the run, recorded only when one call trained it from its first step
+    to its last; ``None`` for a run resumed after a kill (its calls' times are not one
+    run's) or trained by another script (e.g. ``scripts/build_bundled_models.sh``)."""
     path = os.path.join(workdir, "wall_s.json")
     if os.path.isfile(path):
         with open(path) as f:
@@ -47,15 +57,17 @@ def train_wall_s(workdir: str) -> float | None:
 
 def train_point(config: str, workdir: str, overrides: list[str] = ()) -> dict:
     """Train ``config`` (``path[:arg]``) with ``--config.KEY=VALUE`` ``overrides`` into
-    ``workdir`` and return its final held-out evaluation with the wall time."""
+    ``workdir`` and return its final held-out evaluation with the wall time (``None``
+    unless this call trained the run from scratch, ``train_wall_s``)."""
     cmd = [
         sys.executable, os.path.join(ROOT, "train.py"), "--config", config,
         "--workdir", workdir, "--no-progress", *[f"--config.{o}" for o in overrides],
     ]  # fmt: skip
     print("+", " ".join(cmd), flush=True)
+    from_scratch = _latest_checkpoint(workdir)[1] is None
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT)
-    if train_wall_s(workdir) is None:
+    if from_scratch and train_wall_s(workdir) is None:
         with open(os.path.join(workdir, "wall_s.json"), "w") as f:
             json.dump({"wall_s": round(time.perf_counter() - t0, 1)}, f)
     ev = final_eval(workdir)

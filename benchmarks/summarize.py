@@ -928,7 +928,8 @@ def drafter_training_section() -> list[str]:
             f"`{curve['config']}` ({curve['steps']} steps × {curve['batch_size']} × "
             f"{curve['seq_len']} tokens) on the first N records of one distillation "
             f"({curve['distill_manifest'].get('max_prompts')} prompts); held-out teacher-forced "
-            f"τ_tf at T = 1 on the same {curve['eval_batches']} held-out batches for every point.",
+            f"τ_tf at T = 1 on the same {curve['eval_batches']} held-out batches for every point "
+            "(wall s: – where a point was resumed after a kill).",
             "",
             *_stale_models_note(
                 curve["distill_manifest"].get("target_fingerprint"),
@@ -940,7 +941,7 @@ def drafter_training_section() -> list[str]:
         for p in curve["points"]:
             out.append(
                 f"| {p['train_records']} | {p['epochs']} | {p['heldout_tau_tf']:.3f} | "
-                f"{p['heldout_accept_mean']:.3f} | {p['heldout_loss']:.3f} | {p['wall_s']} |"
+                f"{p['heldout_accept_mean']:.3f} | {p['heldout_loss']:.3f} | {_wall(p)} |"
             )
         out.append("")
     abl = _load(RESULTS / "drafter_ablation.json")
@@ -965,7 +966,9 @@ def drafter_training_section() -> list[str]:
             "",
             "Runs (config, overrides, steps, wall time on 2 CPU cores shared with other "
             "jobs, so wall times are not comparable across runs; the budget is FLOPs; "
-            "target: the weights the run trained against):",
+            "– where no single call trained the run from scratch: resumed after a kill, or "
+            "trained by scripts/build_bundled_models.sh; target: the weights the run "
+            "trained against):",
             "",
             "| run | config | overrides | target | steps | τ_tf | mean α | wall s |",
             "|---|---|---|---|---|---|---|---|",
@@ -975,10 +978,16 @@ def drafter_training_section() -> list[str]:
             out.append(
                 f"| `{name}` | `{r['config']}` | {over} | {_ablation_run_target(r)} | "
                 f"{r['step']} | {r['heldout_tau_tf']:.3f} | {r['heldout_accept_mean']:.3f} | "
-                f"{r['wall_s']} |"
+                f"{_wall(r)} |"
             )
         out.append("")
     return out
+
+
+def _wall(run: dict) -> str:
+    """A training run's wall seconds, or "–" when none was recorded
+    (``drafter_runs.train_wall_s``: resumed runs' partial times are not shown)."""
+    return "–" if run.get("wall_s") is None else f"{run['wall_s']}"
 
 
 def _ablation_run_target(run: dict) -> str:

@@ -129,3 +129,24 @@ def test_gpu_section_reports_the_kernel_and_why_the_round_used_xla(summarize, tm
     assert "| 2048 | 6.00 | 0.50 | 12.0× | 2.00 TB/s |" in text
     assert "| 4080 |" not in text  # no kernel timing there: no row
     assert "`ValueError: it broke`. The round below uses `--attention xla`." in text
+
+
+def test_run_tables_show_a_dash_where_no_wall_time_was_recorded(summarize):
+    assert summarize._wall({"wall_s": None}) == "–"
+    assert summarize._wall({}) == "–"
+    assert summarize._wall({"wall_s": 612.4}) == "612.4"
+
+
+def test_a_fresh_workdir_counts_as_trained_from_scratch_and_is_left_untouched(
+    monkeypatch, tmp_path
+):
+    # drafter_runs.train_point records a wall time only when the call starts the run from
+    # its first step; looking must not create the checkpoint directory train.py resumes from.
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import drafter_runs
+
+    assert drafter_runs._latest_checkpoint(str(tmp_path)) == (None, None)
+    assert not (tmp_path / "checkpoints").exists()
+    assert drafter_runs.train_wall_s(str(tmp_path)) is None
+    (tmp_path / "wall_s.json").write_text('{"wall_s": 101.5}')
+    assert drafter_runs.train_wall_s(str(tmp_path)) == 101.5
