@@ -51,8 +51,10 @@ RUNS = {
     # ratio goes as both arms approach convergence.
     "dspark_4x": (DSPARK, ["train.steps=1600"], "ablation/dspark_4x"),
     "eagle3_4x": (EAGLE3, ["train.steps=840"], "ablation/eagle3_4x"),
-    # A quarter of the distilled data (768 of 3072 prompts), same steps.
-    "dspark_768": (DSPARK, ["data.max_train_records=768"], "ablation/dspark_768"),
+    # A quarter of the distilled data (768 of 3072 prompts), same steps. The DSpark arm is
+    # the same training as drafter_data_curve.py's 768 point (same config, same overrides),
+    # so it shares that workdir and is trained once for both benchmarks.
+    "dspark_768": (DSPARK, ["data.max_train_records=768"], "data_curve/768"),
     "eagle3_768": (EAGLE3, ["data.max_train_records=768"], "ablation/eagle3_768"),
     # DeepSpec's released draft depth (5 layers), same steps (more FLOPs per step).
     "dspark_l5": (DSPARK, ["drafter.num_layers=5"], "ablation/dspark_l5"),
