@@ -19,6 +19,12 @@ bundled data's command:
     python -m dspark_jax.data.distill --target assets/target_v1 --corpus-dir data/stdlib \
         --out-dir data/distill_v1 --prompt-len 128 --max-new-tokens 256 --max-prompts 3072 \
         --batch-size 32 --temperature 1.0 --seed 0
+
+The greedy-share run (``dspark_greedy25``) trains on the bundled data's command with
+``--out-dir data/distill_greedy25 --greedy-share 0.25``: every fourth train batch
+regenerated at temperature 0, the held-out split unchanged, so its held-out τ_tf reads
+against the bundled DSpark's on the same records. It is no EAGLE-3 factor (no row in the
+factor table); ``benchmarks/summarize.py`` shows it beside its decoded acceptance.
 """
 
 from __future__ import annotations
@@ -66,6 +72,13 @@ RUNS = {
     "dspark_r64": (DSPARK, ["drafter.markov_rank=64"], "ablation/dspark_r64"),
     # Position decay 7 (= γ, as the paper writes it) instead of DeepSpec's released 4.0.
     "dspark_decay7": (DSPARK, ["loss.decay=7.0"], "ablation/dspark_decay7"),
+    # A quarter of the distilled train batches generated greedily (module docstring): does
+    # a greedy share help greedy acceptance? Same prompts, steps and held-out records.
+    "dspark_greedy25": (
+        DSPARK,
+        ["data.data_dir=data/distill_greedy25"],
+        "ablation/dspark_greedy25",
+    ),
     # The weaker first target, on data distilled from it (module docstring).
     "dspark_v1": (DSPARK, _V1, "ablation/dspark_v1"),
     "eagle3_v1": (EAGLE3, _V1, "ablation/eagle3_v1"),

@@ -270,6 +270,69 @@ def depth_section(acc, main_acc=None) -> list[str]:
     return out + [""]
 
 
+GREEDY_SHARE_RUN = "dspark_greedy25"
+
+
+def greedy_share_section(acc, abl) -> list[str]:
+    """Does a greedy share in the distilled data help greedy acceptance (issue 14)? The
+    bundled DSpark (all-T = 1 data) decoded beside one trained on data whose every fourth
+    train batch was generated greedily (``acceptance_greedy_share.json``), with both runs'
+    held-out τ_tf from ``drafter_ablation.json`` (same held-out records)."""
+    if acc is None:
+        return []
+    args = acc["config"]["args"]
+    rows = acc["results"]
+    drafters = list(dict.fromkeys(r["drafter"] for r in rows))
+    if len(drafters) != 2:
+        raise ValueError(f"acceptance_greedy_share.json: expected 2 drafters, got {drafters}")
+    base, mixed = drafters
+    sets = list(dict.fromkeys(r["prompt_set"] for r in rows))
+    temps = sorted({r["temperature"] for r in rows})
+    res = {(r["drafter"], r["prompt_set"], r["temperature"]): r for r in rows}
+    out = [
+        "## Greedy share in the distilled data",
+        "",
+        f"`{base}` is the bundled DSpark (distilled data all sampled at T = 1); `{mixed}` is "
+        "the same recipe (config, steps, prompts) trained on data whose every fourth train "
+        "batch was generated greedily (`--greedy-share 0.25`; the held-out split is the same "
+        "T = 1 records). τ pooled over rounds / mean over prompts, γ = "
+        f"{args['gamma']}, first {args['limit']} prompts per set, {args['max_new_tokens']} new "
+        "tokens:",
+        "",
+        "    python -m dspark_jax.data.distill --target assets/target --corpus-dir data/stdlib "
+        "--out-dir data/distill_greedy25 --prompt-len 128 --max-new-tokens 256 "
+        "--max-prompts 3072 --batch-size 32 --temperature 1.0 --seed 0 --greedy-share 0.25",
+        f"    python benchmarks/drafter_ablation.py --runs {GREEDY_SHARE_RUN}",
+        f"    python -m dspark_jax.export --workdir workdirs/ablation/{GREEDY_SHARE_RUN} "
+        f"--out workdirs/drafters/{mixed} --dtype bfloat16",
+        f"    {_acceptance_command(args, 'acceptance_greedy_share.json')}",
+        "",
+        *_stale_models_note(_acceptance_weights(acc)),
+        f"| set | T | {base} | {mixed} | {mixed}/{base} (pooled / per prompt) |",
+        "|---|---|---|---|---|",
+    ]
+    for st in sets:
+        for t in temps:
+            a, b = res.get((base, st, t)), res.get((mixed, st, t))
+            if a is None or b is None:
+                continue
+            cells = [f"{r['tau']:.3f} / {r['tau_prompt_mean']:.3f}" for r in (a, b)]
+            ratio = (
+                f"{_ratio(b['tau'], a['tau'])} / "
+                f"{_ratio(b['tau_prompt_mean'], a['tau_prompt_mean'])}"
+            )
+            out.append(f"| {st} | {t:g} | " + " | ".join(cells) + f" | {ratio} |")
+    runs = (abl or {}).get("runs", {})
+    ds, gs = runs.get("dspark"), runs.get(GREEDY_SHARE_RUN)
+    if ds and gs and ds.get("target_weights") == gs.get("target_weights"):
+        out += [
+            "",
+            f"Held-out τ_tf (T = 1 records): `dspark` {ds['heldout_tau_tf']:.3f}, "
+            f"`{GREEDY_SHARE_RUN}` {gs['heldout_tau_tf']:.3f}.",
+        ]
+    return out + [""]
+
+
 def _temperature_only_heldout(sts_dir: pathlib.Path, bins: int) -> list[float] | None:
     """Held-out per-position ECE of DESIGN's temperature-only STS, refitted from the rounds
     an affine calibration saved (``sts_data.npz``): the two modes on identical data."""
@@ -1045,6 +1108,9 @@ def main() -> None:
     lines += coupled_section(_load(RESULTS / "acceptance_coupled.json"))
     lines += round_options_section(_load(RESULTS / "round_options.json"))
     lines += depth_section(_load(RESULTS / "acceptance_depth.json"), acc)
+    lines += greedy_share_section(
+        _load(RESULTS / "acceptance_greedy_share.json"), _load(RESULTS / "drafter_ablation.json")
+    )
     lines += drafter_training_section()
     lines += calibration_section(sts, acc)
     lines += verify_section(_load(RESULTS / "verify_cost.json"))

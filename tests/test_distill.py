@@ -146,6 +146,54 @@ def test_sampled_records_use_per_batch_seeds(env, tmp_path):
     assert D.batch_seed(11, TRAIN, 0) != D.batch_seed(11, TRAIN, 1)
 
 
+def test_greedy_share_spreads_greedy_batches_over_every_prefix():
+    assert [D.greedy_batch(0.25, i) for i in range(8)] == [False] * 3 + [True] + [False] * 3 + [
+        True
+    ]
+    for share in (0.0, 0.1, 0.25, 1 / 3, 0.5, 1.0):
+        for n in range(1, 60):
+            assert sum(D.greedy_batch(share, i) for i in range(n)) == int(n * share)
+
+
+def test_greedy_share_regenerates_those_train_batches_at_temperature_zero(env, greedy, tmp_path):
+    """Train batches 1, 3, 5 (share 0.5) hold the greedy records (equal to a greedy
+    distillation's, whatever their seed); the others and the whole held-out split are the
+    temperature-1 samples with their own batch seeds, as without the share."""
+    s = _settings(temperature=1.0, max_prompts=22, greedy_share=0.5)
+    summary = D.distill(env["model"], env["params"], env["tok"], env["corpus"], tmp_path, s,
+                        keep_work=True)  # fmt: skip
+    assert summary["greedy_records"] == {TRAIN: 4 + 4 + 2, HELDOUT: 0}
+    for split in (TRAIN, HELDOUT):
+        prompts = D.make_prompts(env["corpus"], split, env["tok"], prompt_len=P,
+                                 windows_per_doc=3, max_prompts=22, seed=s.seed)  # fmt: skip
+        sampled = _generate_reference(env, prompts, s, split)
+        argmax = [r["tokens"][P:].tolist() for r in _records(greedy["out"], split)]
+        got = [r["tokens"][P:].tolist() for r in _records(tmp_path, split)]
+        for i, gen in enumerate(got):
+            is_greedy = split == TRAIN and (i // B) % 2 == 1
+            assert gen == (argmax[i] if is_greedy else sampled[i]), (split, i)
+    assert got != argmax  # the held-out split really was sampled
+    manifest = D.read_metadata(D.find_dataset_dir(tmp_path, D.DistillDataset.name))["manifest"]
+    assert manifest["greedy_share"] == 0.5
+    # A resumed run counts the greedy records of the chunks it finds.
+    import shutil
+
+    shutil.rmtree(tmp_path / D.DistillDataset.name)
+    for c in sorted((tmp_path / D.WORK_DIRNAME / TRAIN).glob("chunk-*.npz"))[1:]:
+        c.unlink()
+    held_chunks = len(list((tmp_path / D.WORK_DIRNAME / HELDOUT).glob("chunk-*.npz")))
+    again = D.distill(env["model"], env["params"], env["tok"], env["corpus"], tmp_path, s)
+    assert again["resumed_chunks"] == 1 + held_chunks
+    assert again["greedy_records"] == summary["greedy_records"]
+    # Without a share the manifest keeps the fields of datasets built before it existed.
+    assert (
+        "greedy_share"
+        not in D.read_metadata(D.find_dataset_dir(greedy["out"], D.DistillDataset.name))["manifest"]
+    )
+    with pytest.raises(ValueError, match="greedy_share must be in"):
+        _settings(greedy_share=1.5).validate()
+
+
 def test_record_cap_reads_what_a_smaller_distill_writes(env, tmp_path):
     """``max_records = n`` (a multiple of the batch size) reads exactly the records
     ``max_prompts = n`` writes, sampled ones included: prompts and per-batch seeds do not

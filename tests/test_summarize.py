@@ -150,3 +150,32 @@ def test_a_fresh_workdir_counts_as_trained_from_scratch_and_is_left_untouched(
     assert drafter_runs.train_wall_s(str(tmp_path)) is None
     (tmp_path / "wall_s.json").write_text('{"wall_s": 101.5}')
     assert drafter_runs.train_wall_s(str(tmp_path)) == 101.5
+
+
+def test_greedy_share_table_divides_the_two_drafters_and_pairs_heldout_by_target(summarize):
+    acc = _acceptance("aaaaaaaaaaaaaaaa")
+    base = [r for r in acc["results"] if r["drafter"] == "dspark"]
+    mixed = [
+        {**r, "drafter": "dspark-greedy25", "tau": 1.1 * r["tau"],
+         "tau_prompt_mean": 1.2 * r["tau_prompt_mean"]}
+        for r in base
+    ]  # fmt: skip
+    acc["results"] = base + mixed
+    abl = {
+        "runs": {
+            "dspark": {"heldout_tau_tf": 1.9, "target_weights": "aaaaaaaaaaaaaaaa"},
+            "dspark_greedy25": {"heldout_tau_tf": 1.8, "target_weights": "aaaaaaaaaaaaaaaa"},
+        }
+    }
+    text = "\n".join(summarize.greedy_share_section(acc, abl))
+    assert "earlier bundled" not in text
+    r = next(r for r in base if r["prompt_set"] == "humaneval" and r["temperature"] == 0)
+    assert (
+        f"| humaneval | 0 | {r['tau']:.3f} / {r['tau_prompt_mean']:.3f} | "
+        f"{1.1 * r['tau']:.3f} / {1.2 * r['tau_prompt_mean']:.3f} | 1.100 / 1.200 |"
+    ) in text
+    assert "`dspark` 1.900, `dspark_greedy25` 1.800" in text
+    abl["runs"]["dspark_greedy25"]["target_weights"] = "bbbbbbbbbbbbbbbb"
+    assert "Held-out" not in "\n".join(summarize.greedy_share_section(acc, abl))
+    with pytest.raises(ValueError, match="expected 2 drafters"):
+        summarize.greedy_share_section(_acceptance("aaaaaaaaaaaaaaaa"), abl)

@@ -19,7 +19,11 @@ the corpus text, so the drafter learns the distribution it will be verified agai
    samples then come from the target's own distribution ``p_t``, which is what both greedy
    (T=0) and sampled (T=1) verification accept against; T=0 data would collapse to the
    argmax path and teach nothing about the rest of ``p_t``. Generation stops at EOS (which
-   is kept and supervised) or after ``max_new_tokens``.
+   is kept and supervised) or after ``max_new_tokens``. ``greedy_share`` (default 0)
+   regenerates that share of the *train* batches at temperature 0 instead, spread evenly
+   over the batch order (:func:`greedy_batch`), so the data also holds the argmax paths
+   that greedy verification walks; the held-out split stays at ``temperature``, so
+   held-out figures of drafters trained on either mix are measured on the same records.
 3. **Storage.** Batches are grouped into chunks of ``chunk_batches`` batches; each finished
    chunk is written atomically to ``<out>/_work/<split>/chunk-XXXXX.npz``. A rerun with the
    same settings skips finished chunks (batch ``i`` always has the same prompts and seed),
@@ -38,7 +42,8 @@ CLI::
 
     python -m dspark_jax.data.distill --target MODEL_DIR --corpus-dir /work/data/stdlib \
         --out-dir /work/data/distill [--prompt-len 128] [--max-new-tokens 256] \
-        [--windows-per-doc 4] [--max-prompts N] [--batch-size 32] [--temperature 1.0] [--seed 0]
+        [--windows-per-doc 4] [--max-prompts N] [--batch-size 32] [--temperature 1.0] [--seed 0] \
+        [--greedy-share 0.0]
 """
 
 from __future__ import annotations
@@ -102,6 +107,7 @@ class DistillSettings:
     temperature: float = DEFAULT_TEMPERATURE
     seed: int = 0
     chunk_batches: int = DEFAULT_CHUNK_BATCHES
+    greedy_share: float = 0.0  # share of train batches generated at temperature 0
 
     def validate(self) -> None:
         for name in ("prompt_len", "max_new_tokens", "windows_per_doc", "batch_size"):
@@ -114,6 +120,21 @@ class DistillSettings:
             raise ValueError(f"max_prompts must be None or >= 1, got {self.max_prompts}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.greedy_share <= 1.0:
+            raise ValueError(f"greedy_share must be in [0, 1], got {self.greedy_share}")
+
+    def manifest_fields(self) -> dict:
+        """The settings as recorded in a dataset's manifest. ``greedy_share`` is recorded
+        only when set, so datasets built before it existed still match their settings on
+        resume or rebuild."""
+        fields = dataclasses.asdict(self)
+        if not self.greedy_share:
+            del fields["greedy_share"]
+        return fields
+
+    def batch_temperature(self, split: str, batch_index: int) -> float:
+        greedy = split == TRAIN and greedy_batch(self.greedy_share, batch_index)
+        return 0.0 if greedy else self.temperature
 
 
 # ----------------------------------------------------------------------------------------
@@ -201,6 +222,13 @@ def make_prompts(
     return prompts
 
 
+def greedy_batch(share: float, batch_index: int) -> bool:
+    """Whether train batch ``batch_index`` is a greedy one: ``floor(share * n)`` of the first
+    ``n`` batches are, for every ``n`` (batches 3, 7, 11, ... at 0.25), so any prefix the
+    reader keeps (``max_records``) holds the same share."""
+    return int((batch_index + 1) * share) > int(batch_index * share)
+
+
 def batch_seed(seed: int, split: str, batch_index: int) -> int:
     """The sampler seed of one batch: fixed per batch, so a resumed run redraws nothing."""
     return _stable_int(seed, "generate", split, batch_index) % (2**31)
@@ -209,20 +237,21 @@ def batch_seed(seed: int, split: str, batch_index: int) -> int:
 # ----------------------------------------------------------------------------------------
 # Generation into chunk files
 # ----------------------------------------------------------------------------------------
-GenerateFn = Callable[[list[tuple[int, ...]], int], list[list[int]]]
+GenerateFn = Callable[[list[tuple[int, ...]], int, float], list[list[int]]]
 
 
 def make_generate_fn(
-    model, params, *, max_new_tokens: int, temperature: float, eos_id: int, max_len: int
+    model, params, *, max_new_tokens: int, eos_id: int, max_len: int
 ) -> GenerateFn:
-    """``fn(prompts, seed) -> generated ids per prompt`` over the jitted AR sampler."""
+    """``fn(prompts, seed, temperature) -> generated ids per prompt`` over the jitted AR
+    sampler (the temperature is traced: greedy and sampled batches share one program)."""
     import jax
 
     from dspark_jax.decode.autoregressive import generate
 
     params = jax.device_put(params)  # once, not on every call
 
-    def fn(prompts, seed):
+    def fn(prompts, seed, temperature):
         out = generate(
             model,
             params,
@@ -288,15 +317,17 @@ def _generate_split(
     b = s.batch_size
     n_batches = -(-len(prompts) // b)
     n_chunks = -(-n_batches // s.chunk_batches)
-    stats = {"records": 0, "generated_tokens": 0, "eos": 0, "resumed_chunks": 0}
+    stats = {"records": 0, "greedy_records": 0, "generated_tokens": 0, "eos": 0,
+             "resumed_chunks": 0}  # fmt: skip
     bar = tqdm(total=len(prompts), desc=f"distill {split}", unit="prompt", disable=not progress)
     for c in range(n_chunks):
         path = _chunk_path(work, split, c)
         lo = c * s.chunk_batches * b
         hi = min(len(prompts), lo + s.chunk_batches * b)
         if path.exists():
-            for rec in _load_chunk(path):
+            for i, rec in enumerate(_load_chunk(path)):
                 stats["records"] += 1
+                stats["greedy_records"] += s.batch_temperature(split, (lo + i) // b) == 0
                 stats["generated_tokens"] += len(rec["tokens"]) - rec["prompt_len"]
             stats["resumed_chunks"] += 1
             bar.update(hi - lo)
@@ -307,7 +338,8 @@ def _generate_split(
             ids = [p.tokens for p in batch]
             ids += [ids[0]] * (b - len(ids))  # fixed batch shape: pad, drop outputs below
             t0 = time.perf_counter()
-            outs = gen(ids, batch_seed(s.seed, split, start // b))[: len(batch)]
+            temperature = s.batch_temperature(split, start // b)
+            outs = gen(ids, batch_seed(s.seed, split, start // b), temperature)[: len(batch)]
             dt = time.perf_counter() - t0
             n_new = sum(len(o) for o in outs)
             # The first call compiles; keep it out of the steady-state rate.
@@ -326,6 +358,7 @@ def _generate_split(
                 )
                 stats["eos"] += bool(o) and o[-1] == timing["eos_id"]
             stats["records"] += len(batch)
+            stats["greedy_records"] += len(batch) if temperature == 0 else 0
             stats["generated_tokens"] += n_new
             bar.update(len(batch))
         _save_chunk(path, records)
@@ -430,7 +463,7 @@ def distill(
         "corpus": str(find_dataset_dir(corpus_dir, corpus_name).resolve()),
         "eos_id": tokenizer.eos_id,
         "pad_id": tokenizer.pad_id,
-        **dataclasses.asdict(s),
+        **s.manifest_fields(),
     }
     ds_dir = out / DistillDataset.name / str(DistillDataset.VERSION)
     if overwrite:
@@ -459,8 +492,8 @@ def distill(
 
     t_start = time.perf_counter()
     gen = make_generate_fn(
-        model, params, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-        eos_id=tokenizer.eos_id, max_len=max_len,
+        model, params, max_new_tokens=s.max_new_tokens, eos_id=tokenizer.eos_id,
+        max_len=max_len,
     )  # fmt: skip
     timing = {"calls": 0, "eos_id": tokenizer.eos_id}
     timing.update(first_seconds=0.0, first_tokens=0, steady_seconds=0.0, steady_tokens=0)
@@ -478,6 +511,7 @@ def distill(
     gen_tokens = timing["first_tokens"] + timing["steady_tokens"]
     summary = {
         "records": {k: v["records"] for k, v in splits.items()},
+        "greedy_records": {k: v["greedy_records"] for k, v in splits.items()},
         "generated_tokens": sum(v["generated_tokens"] for v in splits.values()),
         "ended_with_eos": sum(v["eos"] for v in splits.values()),
         "documents_too_short": {k: v["documents_too_short"] for k, v in splits.items()},
@@ -593,6 +627,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--greedy-share", type=float, default=0.0,
+                   help="share of train batches generated greedily (temperature 0)")  # fmt: skip
     p.add_argument("--chunk-batches", type=int, default=DEFAULT_CHUNK_BATCHES,
                    help="batches per resumable chunk file")  # fmt: skip
     p.add_argument("--overwrite", action="store_true", help="discard earlier output/progress")
@@ -609,7 +645,7 @@ def main(argv=None) -> int:
         prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
         windows_per_doc=args.windows_per_doc, max_prompts=args.max_prompts,
         batch_size=args.batch_size, temperature=args.temperature, seed=args.seed,
-        chunk_batches=args.chunk_batches,
+        chunk_batches=args.chunk_batches, greedy_share=args.greedy_share,
     )  # fmt: skip
 
     def cli():
