@@ -52,6 +52,21 @@ python -m dspark_jax.eval acceptance --target assets/target --drafter assets/dra
     --temperature 1.0 --gamma 7 --max-new-tokens 64 --limit 24 --slots 12 \
     --out benchmarks/results/acceptance_depth.json
 
+# Greedy share in the distilled data: every fourth train batch greedy, same recipe; decoded
+# beside the bundled DSpark at T = 0 and 1.
+rm -rf data/distill_greedy25 workdirs/ablation/dspark_greedy25
+python -m dspark_jax.data.distill --target assets/target --corpus-dir data/stdlib \
+    --out-dir data/distill_greedy25 --prompt-len 128 --max-new-tokens 256 --max-prompts 3072 \
+    --batch-size 32 --temperature 1.0 --seed 0 --greedy-share 0.25
+python benchmarks/drafter_ablation.py --runs dspark_greedy25
+python -m dspark_jax.export --workdir workdirs/ablation/dspark_greedy25 \
+    --out workdirs/drafters/dspark-greedy25 --dtype bfloat16
+python -m dspark_jax.eval acceptance --target assets/target --drafter assets/drafters/dspark \
+    --drafter workdirs/drafters/dspark-greedy25 \
+    --prompts "$SETS/humaneval.jsonl" --prompts "$SETS/mbpp.jsonl" \
+    --temperature 0.0 1.0 --gamma 7 --max-new-tokens 64 --limit 24 --slots 12 \
+    --out benchmarks/results/acceptance_greedy_share.json
+
 # Serving under load (Figs. 7-8 analog), greedy and T = 1, the simulator's validation
 # against it, and the simulator on modelled TPU.
 SERVING=(--target assets/target --drafter assets/drafters/dspark
