@@ -7,6 +7,7 @@ import pathlib
 import re
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -120,7 +121,14 @@ def test_bundled_drafters_record_the_bundled_target_and_refuse_another(tmp_path)
         assert json.loads(path.read_text())["target"]["weights"] == target.fingerprint, path
         model_card = json.loads((path.parent / "model_card.json").read_text())
         assert model_card["target_fingerprint"] == target.fingerprint, path
-        load_drafter_dir(path.parent, target)
+        drafter = load_drafter_dir(path.parent, target)
+        # The card's parameter count is the weights' own (the frozen target's shared
+        # embedding and LM head are not the drafter's).
+        n = sum(int(np.size(x)) for x in jax.tree.leaves(drafter.params))
+        assert model_card["parameters"] == n, (path, model_card["parameters"], n)
+    # The target's card states the parameter count of the weights it ships.
+    n_target = sum(int(np.size(x)) for x in jax.tree.leaves(target.params))
+    assert f"| parameters | {n_target:,} |" in card
     # The same architecture and tokenizer with other weights: what retraining makes.
     config, params = load_hf(str(TARGET))
     params = {**params, "norm": {"scale": np.asarray(params["norm"]["scale"]) * 1.1}}
