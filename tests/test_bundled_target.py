@@ -7,7 +7,6 @@ import pathlib
 import re
 import shutil
 
-import jax
 import numpy as np
 import pytest
 
@@ -109,6 +108,7 @@ def test_weights_fingerprint_ignores_storage_dtype_and_sees_weights():
 def test_bundled_drafters_record_the_bundled_target_and_refuse_another(tmp_path):
     from dspark_jax.convert import save_hf
     from dspark_jax.convert.loading import load_drafter_dir, load_target
+    from dspark_jax.export import count_params
 
     target = load_target(str(TARGET))
     card = (TARGET / "README.md").read_text()
@@ -124,11 +124,10 @@ def test_bundled_drafters_record_the_bundled_target_and_refuse_another(tmp_path)
         drafter = load_drafter_dir(path.parent, target)
         # The card's parameter count is the weights' own (the frozen target's shared
         # embedding and LM head are not the drafter's).
-        n = sum(int(np.size(x)) for x in jax.tree.leaves(drafter.params))
+        n = count_params(drafter.params)
         assert model_card["parameters"] == n, (path, model_card["parameters"], n)
     # The target's card states the parameter count of the weights it ships.
-    n_target = sum(int(np.size(x)) for x in jax.tree.leaves(target.params))
-    assert f"| parameters | {n_target:,} |" in card
+    assert f"| parameters | {count_params(target.params):,} |" in card
     # The same architecture and tokenizer with other weights: what retraining makes.
     config, params = load_hf(str(TARGET))
     params = {**params, "norm": {"scale": np.asarray(params["norm"]["scale"]) * 1.1}}
