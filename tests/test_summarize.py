@@ -1,5 +1,8 @@
-"""benchmarks/summarize.py says so beside any table measured against other target weights
-than the bundled target's, and stays silent when the fingerprints match."""
+"""benchmarks/summarize.py and its renderers (benchmarks/render/): the manifest names result
+files that exist, a page holds the table built from its result file, regenerating is
+idempotent and the committed pages are up to date, headings are distinct; and a table
+measured against other target weights than the bundled target's says so (silent when the
+fingerprints match)."""
 
 import copy
 import json
@@ -12,11 +15,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture()
+def render(monkeypatch):
+    """The renderer package, with the bundled target's fingerprint pinned to a's."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+    import render.acceptance
+    import render.common
+    import render.cost
+    import render.serving
+    import render.training
+
+    monkeypatch.setattr(render.common, "bundled_target_weights", lambda: "aaaaaaaaaaaaaaaa")
+    yield render
+
+
+@pytest.fixture()
 def summarize(monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
     import summarize
 
-    monkeypatch.setattr(summarize, "_bundled_target_weights", lambda: "aaaaaaaaaaaaaaaa")
     yield summarize
     sys.modules.pop("summarize", None)
 
@@ -28,29 +44,29 @@ def _acceptance(weights):
     return acc
 
 
-def test_acceptance_tables_flag_other_target_weights(summarize):
+def test_acceptance_tables_flag_other_target_weights(render):
     assert not any("earlier bundled" in line for line in
-                   summarize.acceptance_section(_acceptance("aaaaaaaaaaaaaaaa")))  # fmt: skip
-    stale = "\n".join(summarize.acceptance_section(_acceptance("bbbbbbbbbbbbbbbb")))
+                   render.acceptance.acceptance_section(_acceptance("aaaaaaaaaaaaaaaa")))  # fmt: skip
+    stale = "\n".join(render.acceptance.acceptance_section(_acceptance("bbbbbbbbbbbbbbbb")))
     assert "**Measured on earlier bundled models** (target weights `bbbbbbbbbbbbbbbb`" in stale
     assert "`assets/target` is `aaaaaaaaaaaaaaaa`" in stale
-    unknown = "\n".join(summarize.coupled_section(_acceptance(None)))
+    unknown = "\n".join(render.acceptance.coupled_section(_acceptance(None)))
     assert "**Not matched to today's models**: the run recorded no target fingerprint" in unknown
 
 
-def test_depth_table_is_flagged_and_not_divided_by_another_targets_eagle3(summarize):
+def test_depth_table_is_flagged_and_not_divided_by_another_targets_eagle3(render):
     with open(os.path.join(REPO, "benchmarks", "results", "acceptance_depth.json")) as f:
         depth = json.load(f)
     depth["config"].setdefault("target", {})["weights"] = "bbbbbbbbbbbbbbbb"
-    stale = "\n".join(summarize.depth_section(depth, _acceptance("aaaaaaaaaaaaaaaa")))
+    stale = "\n".join(render.acceptance.depth_section(depth, _acceptance("aaaaaaaaaaaaaaaa")))
     assert "**Measured on earlier bundled models** (target weights `bbbbbbbbbbbbbbbb`" in stale
     assert "DSpark / EAGLE-3" not in stale  # a ratio across two targets' runs
     depth["config"]["target"]["weights"] = "aaaaaaaaaaaaaaaa"
-    fresh = "\n".join(summarize.depth_section(depth, _acceptance("aaaaaaaaaaaaaaaa")))
+    fresh = "\n".join(render.acceptance.depth_section(depth, _acceptance("aaaaaaaaaaaaaaaa")))
     assert "earlier bundled" not in fresh and "DSpark / EAGLE-3 at T = 1" in fresh
 
 
-def test_ablation_flags_only_runs_on_the_bundled_target(summarize):
+def test_ablation_flags_only_runs_on_the_bundled_target(render):
     abl = {
         "runs": {
             "dspark": {"overrides": [], "target_weights": "aaaaaaaaaaaaaaaa"},
@@ -59,26 +75,26 @@ def test_ablation_flags_only_runs_on_the_bundled_target(summarize):
             "dspark_v1": {"overrides": ["target.dir=assets/target_v1"], "target_weights": "c"},
         }
     }
-    note = " ".join(summarize._ablation_stale_note(abl))
+    note = " ".join(render.training._ablation_stale_note(abl))
     assert "`eagle3`" in note and "`dspark`" not in note and "dspark_v1" not in note
     fresh = copy.deepcopy(abl)
     fresh["runs"]["eagle3"]["target_weights"] = "aaaaaaaaaaaaaaaa"
-    assert summarize._ablation_stale_note(fresh) == []
+    assert render.training._ablation_stale_note(fresh) == []
 
 
-def test_simulations_are_flagged_by_the_weights_of_what_they_replay(summarize, tmp_path):
+def test_simulations_are_flagged_by_the_weights_of_what_they_replay(render, tmp_path):
     md = tmp_path / "serving_sim_x.md"
     md.write_text("table\n")
     (tmp_path / "serving_sim_x.json").write_text(json.dumps({"target_weights": [None]}))
-    assert "recorded no target fingerprint" in " ".join(summarize._sim_stale_note(md))
+    assert "recorded no target fingerprint" in " ".join(render.serving._sim_stale_note(md))
     (tmp_path / "serving_sim_x.json").write_text(json.dumps({"target_weights": ["a" * 16]}))
-    assert summarize._sim_stale_note(md) == []
+    assert render.serving._sim_stale_note(md) == []
     mixed = {"target_weights": ["a" * 16, "b" * 16]}  # new acceptance, old serving run
     (tmp_path / "serving_sim_x.json").write_text(json.dumps(mixed))
-    assert "target weights `bbbbbbbbbbbbbbbb`" in " ".join(summarize._sim_stale_note(md))
+    assert "target weights `bbbbbbbbbbbbbbbb`" in " ".join(render.serving._sim_stale_note(md))
 
 
-def test_ablation_pairs_runs_only_on_one_target(summarize):
+def test_ablation_pairs_runs_only_on_one_target(render):
     """A partial re-run after the target changed leaves rows whose two runs trained against
     different weights: no ratio for those, and rows on earlier weights say so."""
     run = {"overrides": [], "heldout_tau_tf": 2.0}
@@ -99,19 +115,17 @@ def test_ablation_pairs_runs_only_on_one_target(summarize):
     for f in abl["factors"]:
         f["dspark_tau_tf"] = abl["runs"][f["dspark_run"]]["heldout_tau_tf"]
         f["eagle3_tau_tf"] = abl["runs"][f["eagle3_run"]]["heldout_tau_tf"]
-    rows = summarize._ablation_factor_rows(abl)
+    rows = render.training._ablation_factor_rows(abl)
     assert rows[0].endswith("| 1.250 |") and "earlier" not in rows[0]
     assert rows[1].endswith("| – (runs on different targets) |")
     assert "gamma (earlier target)" in rows[2] and rows[2].endswith("| 2.000 |")
 
 
-def test_gpu_section_reports_the_kernel_and_why_the_round_used_xla(summarize, tmp_path,
-                                                                   monkeypatch):  # fmt: skip
+def test_gpu_section_reports_the_kernel_and_why_the_round_used_xla(render, tmp_path):
     """The GPU lease's section: kernel errors against their tolerance, the speed-up and the
     kernel's KV read rate from the timings, and the traced error when the kernel's round
     failed; nothing at all without a GPU run."""
-    monkeypatch.setattr(summarize, "RESULTS", tmp_path)
-    assert summarize.gpu_section() == []
+    assert render.cost.gpu_section(tmp_path) == []
     check = {
         "device": "gpu NVIDIA H200", "jax": "0.11.2", "reference": "ref_ragged_paged_attention",
         "shape": {"heads": 32, "kv_heads": 8, "head_dim": 128, "page_size": 16},
@@ -124,17 +138,17 @@ def test_gpu_section_reports_the_kernel_and_why_the_round_used_xla(summarize, tm
     (tmp_path / "verify_cost_h200_pallas_gpu_error.txt").write_text(
         "Traceback (most recent call last):\n  File x\nValueError: it broke.\n"
     )
-    text = "\n".join(summarize.gpu_section())
+    text = "\n".join(render.cost.gpu_section(tmp_path))
     assert "| float32 | 2.0e-04 | 4.0e-04 | 0.001 |" in text
     assert "| 2048 | 6.00 | 0.50 | 12.0× | 2.00 TB/s |" in text
     assert "| 4080 |" not in text  # no kernel timing there: no row
     assert "`ValueError: it broke`. The round below uses `--attention xla`." in text
 
 
-def test_run_tables_show_a_dash_where_no_wall_time_was_recorded(summarize):
-    assert summarize._wall({"wall_s": None}) == "–"
-    assert summarize._wall({}) == "–"
-    assert summarize._wall({"wall_s": 612.4}) == "612.4"
+def test_run_tables_show_a_dash_where_no_wall_time_was_recorded(render):
+    assert render.training._wall({"wall_s": None}) == "–"
+    assert render.training._wall({}) == "–"
+    assert render.training._wall({"wall_s": 612.4}) == "612.4"
 
 
 def test_a_fresh_workdir_counts_as_trained_from_scratch_and_is_left_untouched(
@@ -152,7 +166,7 @@ def test_a_fresh_workdir_counts_as_trained_from_scratch_and_is_left_untouched(
     assert drafter_runs.train_wall_s(str(tmp_path)) == 101.5
 
 
-def test_greedy_share_table_divides_the_two_drafters_and_pairs_heldout_by_target(summarize):
+def test_greedy_share_table_divides_the_two_drafters_and_pairs_heldout_by_target(render):
     acc = _acceptance("aaaaaaaaaaaaaaaa")
     base = [r for r in acc["results"] if r["drafter"] == "dspark"]
     mixed = [
@@ -167,7 +181,7 @@ def test_greedy_share_table_divides_the_two_drafters_and_pairs_heldout_by_target
             "dspark_greedy25": {"heldout_tau_tf": 1.8, "target_weights": "aaaaaaaaaaaaaaaa"},
         }
     }
-    text = "\n".join(summarize.greedy_share_section(acc, abl))
+    text = "\n".join(render.acceptance.greedy_share_section(acc, abl))
     assert "earlier bundled" not in text
     r = next(r for r in base if r["prompt_set"] == "humaneval" and r["temperature"] == 0)
     assert (
@@ -176,6 +190,51 @@ def test_greedy_share_table_divides_the_two_drafters_and_pairs_heldout_by_target
     ) in text
     assert "`dspark` 1.900, `dspark_greedy25` 1.800" in text
     abl["runs"]["dspark_greedy25"]["target_weights"] = "bbbbbbbbbbbbbbbb"
-    assert "Held-out" not in "\n".join(summarize.greedy_share_section(acc, abl))
+    assert "Held-out" not in "\n".join(render.acceptance.greedy_share_section(acc, abl))
     with pytest.raises(ValueError, match="expected 2 drafters"):
-        summarize.greedy_share_section(_acceptance("aaaaaaaaaaaaaaaa"), abl)
+        render.acceptance.greedy_share_section(_acceptance("aaaaaaaaaaaaaaaa"), abl)
+
+
+def test_every_manifest_entry_reads_result_files_that_exist(summarize):
+    import glob
+
+    pages = [p.name for p in summarize.MANIFEST]
+    assert len(pages) == len(set(pages)) and "README.md" not in pages
+    for page in summarize.MANIFEST:
+        assert page.entries, page.name
+        for entry in page.entries:
+            for source in entry.sources:
+                assert glob.glob(os.path.join(REPO, source)), f"{page.name}: no {source}"
+
+
+def test_a_page_holds_the_table_its_result_file_gives(summarize, tmp_path):
+    """A small compile-time result in a scratch results directory: its page carries the
+    command and one table row per result row; a missing file renders nothing."""
+    (tmp_path / "compile_time.json").write_text(json.dumps({"rows": [
+        {"preset": "qwen3-8b", "layers": 36, "params": 8.19e9, "lower_s": 1.234,
+         "compile_s": 5.678},
+    ]}))  # fmt: skip
+    page = next(p for p in summarize.MANIFEST if p.name == "round-cost.md")
+    text = summarize.render_page(page, tmp_path)
+    assert text.startswith("# Round cost\n")
+    assert "    python benchmarks/compile_time.py" in text
+    assert "| qwen3-8b | 36 | 8190.0 M | 1.23 | 5.68 |" in text
+    assert "Verify cost" not in text  # verify_cost.md is not in the scratch directory
+
+
+def test_regenerating_is_idempotent_and_the_committed_pages_are_current(summarize):
+    first = summarize.render_all()
+    assert summarize.render_all() == first
+    assert set(first) == {p.name for p in summarize.MANIFEST} | {"README.md"}
+    assert summarize.main(["--check"]) == 0, "run python benchmarks/summarize.py"
+
+
+def test_headings_are_distinct_and_the_index_lists_every_page(summarize):
+    pages = summarize.render_all()
+    for name, text in pages.items():
+        heads = [line for line in text.splitlines() if line.startswith("## ")]
+        assert len(heads) == len(set(heads)), f"{name}: repeated headings"
+    roofline = [h for h in pages["roofline.md"].splitlines() if h.startswith("## ")]
+    assert len(roofline) >= 2 and all("on v5p" in h for h in roofline)
+    for page in summarize.MANIFEST:
+        assert f"]({page.name})" in pages["README.md"]
