@@ -118,7 +118,7 @@ def test_gpu_kernel_lowers_to_triton_for_cuda(rows, heads, kv_heads, d, page_siz
     block shape it builds is one Triton accepts, for the shapes the server runs."""
     import jax
 
-    from dspark_jax.ops.ragged_attention_gpu import ragged_paged_attention_gpu
+    from dspark_jax.ops.ragged_attention_gpu import gpu_lowering_target, ragged_paged_attention_gpu
 
     seqs, pages_per_seq = 64, 257
     args = (
@@ -130,11 +130,12 @@ def test_gpu_kernel_lowers_to_triton_for_cuda(rows, heads, kv_heads, d, page_siz
         jax.ShapeDtypeStruct((1,), jnp.int32),
     )
     triton = "__gpu$xla.gpu.triton"
-    exported = jax.export.export(
-        jax.jit(ragged_paged_attention_gpu),
-        platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)],
-    )(*args)
+    with gpu_lowering_target("h100"):  # no GPU here: name the one to lower for
+        exported = jax.export.export(
+            jax.jit(ragged_paged_attention_gpu),
+            platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)],
+        )(*args)
     assert exported.mlir_module().count(f"@{triton}") == 1
 
 
@@ -302,8 +303,8 @@ def test_backends_split_over_kv_heads_equal_the_unsplit_result(backend):
 
 def test_serving_round_with_the_gpu_kernel_lowers_for_cuda():
     """The whole verify+commit round (the target's layer scan included) traced with the
-    real pallas_gpu kernel and lowered for CUDA on the pinned jax/flax (README: this
-    lowers here; on jax 0.11.2/flax 0.12.10 it stopped tracing on an H200)."""
+    real pallas_gpu kernel and lowered for CUDA for an H200, on both tested jax lines
+    (0.10 and 0.12; on jax 0.11.2/flax 0.12.10 it had stopped tracing on an H200)."""
     import flax.linen as nn
     import jax
 
@@ -312,6 +313,7 @@ def test_serving_round_with_the_gpu_kernel_lowers_for_cuda():
     from dspark_jax.models.presets import get_preset
     from dspark_jax.models.qwen3 import Qwen3
     from dspark_jax.ops.flash_attention import compile_platform
+    from dspark_jax.ops.ragged_attention_gpu import gpu_lowering_target
 
     cfg = get_preset("tiny").replace(head_dim=16)
     target = Qwen3(cfg)
@@ -321,9 +323,10 @@ def test_serving_round_with_the_gpu_kernel_lowers_for_cuda():
     dp = nn.unbox(init_drafter_params(drafter, jax.random.key(1)))
     config = StepConfig(num_slots=2, max_len=64, scheduler="prefix", attention="pallas_gpu")
     dec = SpeculativeDecoder(target, tp, drafter, dp, config)
-    _, plan = dec._plan(dec._params, dec.init_state(), 6)
-    with compile_platform("gpu"):
-        lowered = dec._commit.trace(dec._params, dec.init_state(), plan, 6).lower(
+    state = dec.init_state()  # concrete arrays: built outside the abstract GPU block
+    _, plan = dec._plan(dec._params, state, 6)
+    with compile_platform("gpu"), gpu_lowering_target("h200"):
+        lowered = dec._commit.trace(dec._params, state, plan, 6).lower(
             lowering_platforms=("cuda",)
         )
     assert lowered.as_text().count("xla.gpu.triton") >= 1

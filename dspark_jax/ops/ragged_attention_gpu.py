@@ -24,6 +24,7 @@ tests only).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -39,6 +40,30 @@ _MASKED = -1e30  # finite, as the other backends: a masked block must not produc
 TARGET_TILE_ROWS = 64
 # Keys per score tile: pages gathered per loop step, at least this many keys.
 TARGET_BLOCK_KEYS = 64
+
+
+# Kinds jax's GPU table knows (jax._src.gpu_info.GpuVersion); the lowering reads the compute
+# capability from it.
+GPU_KINDS = {"h100": "NVIDIA H100", "h200": "NVIDIA H200", "a100": "NVIDIA A100"}
+
+
+@contextlib.contextmanager
+def gpu_lowering_target(gpu: str = "h100", num_cores: int = 132):
+    """Lower for a GPU that this host does not have: inside this block, jit/export with
+    ``platforms=["cuda"]`` builds the kernel for ``gpu`` (a key of ``GPU_KINDS`` or a jax
+    device kind such as ``"NVIDIA H200"``).
+
+    Since jax 0.12 the Pallas GPU lowering asks the target device for its compute
+    capability, and without a GPU in the process it fails ("No supported GPU devices
+    found"). An abstract mesh whose abstract device names the GPU answers that question on
+    every jax line this project supports (0.10 ignores it). Build concrete arrays (model
+    parameters, the decode state) outside the block: a concrete computation inside it would
+    be placed on the abstract device."""
+    kind = GPU_KINDS.get(gpu.lower(), gpu)
+    device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=num_cores, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        yield
 
 
 def _pow2(n: int) -> int:
