@@ -326,7 +326,5 @@ def test_serving_round_with_the_gpu_kernel_lowers_for_cuda():
     state = dec.init_state()  # concrete arrays: built outside the abstract GPU block
     _, plan = dec._plan(dec._params, state, 6)
     with compile_platform("gpu"), gpu_lowering_target("h200"):
-        lowered = dec._commit.trace(dec._params, state, plan, 6).lower(
-            lowering_platforms=("cuda",)
-        )
+        lowered = dec._commit.trace(dec._params, state, plan, 6).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("xla.gpu.triton") >= 1
