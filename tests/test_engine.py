@@ -5,9 +5,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import collections
 import dataclasses
-import threading
 import time
 
 import jax
@@ -334,87 +332,93 @@ def test_host_never_waits_on_the_round_in_flight(setup):
     on round n: the host chooses and launches the next round while one is in flight (top-K
     picks its budget in NumPy from two-rounds-old survivals).
 
-    Each round's output and its state are held on the device (a host callback gate) until
-    the test sees the next round dispatched, so an engine that read or synchronised on round
-    n first would sit until the gate's timeout. The order is enforced, not timed. The gates
-    always get pending inputs: on the CPU backend a computation with a host callback whose
-    inputs are ready runs inline on the calling thread, which would stall the harness, not
-    the engine. Round 0's state is made pending by a long computation ahead of its gate."""
-    from jax.experimental import io_callback
+    Every round is made slow on the device (a long chain of matmuls that its tokens and
+    state depend on), so each round is still running when the next one is dispatched,
+    unless the host waited for it. Two checks, neither a timing threshold:
+    (1) at each dispatch, the previous round's outputs are not ready yet — an engine that
+        read or synchronised on round n (``device_get``, ``block_until_ready``, an implicit
+        ``np.asarray``) before dispatching round n+1 would find them ready;
+    (2) the engine's reads (its one ``jax.device_get`` of a round's output) come in order,
+        each after the next round's dispatch.
+    No host callback gates the rounds: since jax 0.12 a jitted callback whose input is
+    still being computed blocks the thread that dispatches it, so a gate would make the
+    harness, not the engine, wait."""
+    import dspark_jax.serve.engine as engine_module
 
     tok, _, _, engine = setup
     _wait_idle(engine)
     dec = engine.decoder
-    release: dict[int, threading.Event] = collections.defaultdict(threading.Event)
-    released_by: dict[int, str] = {}
-    timed_out: list[int] = []
-    dispatched: list[int] = []
-    enforce = [False]  # off while the first request compiles the gates
-
-    def hold(n, *xs):
-        n = int(n)
-        if enforce[0]:
-            if not release[n].wait(timeout=20):
-                timed_out.append(n)
-            time.sleep(0.1)  # a slow device: the host's wait for it counts as device time
-        return xs
 
     @jax.jit
-    def gate(n, xs):
-        return io_callback(hold, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs], n, *xs)
+    def slow(trips, seq_len, tokens):
+        # ``trips`` dependent 384² matmuls that XLA cannot fold away; the outputs are the
+        # inputs unchanged, but only once the chain has run.
+        m = jax.lax.fori_loop(
+            0, trips, lambda _, m: jnp.tanh(m @ m), jnp.full((384, 384), 1e-3) + seq_len[0] * 1e-9
+        )
+        bump = m[0, 0] > 1e9
+        return seq_len + bump.astype(seq_len.dtype), tokens + bump.astype(tokens.dtype)
 
-    @jax.jit
-    def behind_a_long_computation(seq_len):
-        # 60 dependent 384² matmuls (still running when the gate is dispatched right
-        # after) that XLA cannot fold away; the result is ``seq_len`` unchanged.
-        def body(_, m):
-            return jnp.tanh(m @ m)
+    # Calibrate: a round must stay on the device for at least ~0.6 s (the host's work
+    # between two dispatches is milliseconds).
+    probe = (jnp.zeros((SLOTS,), jnp.int32), jnp.zeros((SLOTS, 4), jnp.int32))
+    jax.block_until_ready(slow(np.int32(1), *probe))
+    t = time.perf_counter()
+    jax.block_until_ready(slow(np.int32(20), *probe))
+    trips = np.int32(max(20, int(20 * 0.6 / max(time.perf_counter() - t, 1e-3))))
 
-        m = jax.lax.fori_loop(0, 60, body, jnp.full((384, 384), 1e-3) + seq_len[0] * 1e-9)
-        return seq_len + (m[0, 0] > 1e9).astype(seq_len.dtype)
+    events: list[tuple[str, int]] = []
+    outputs: list = []  # each dispatched round's (tokens, seq_len)
+    ready_at_next_dispatch: list[int] = []
+    enforce = [False]
 
     def slow_round(state, budget=None):
-        n = len(dispatched)
-        if n == 0:  # the base gate (index -1) holds round 0 until round 0 is gated
-            pending = behind_a_long_computation(state.seq_len)
-            (seq_len,) = gate(np.int32(-1), [pending])
-            state = state._replace(seq_len=seq_len)
+        n = len(outputs)
+        if enforce[0] and n > 0 and all(x.is_ready() for x in outputs[-1]):
+            ready_at_next_dispatch.append(n - 1)
         state, out = dec._round(dec._params, state, dec._check_budget(budget))
-        seq_len, tokens = gate(np.int32(n), [state.seq_len, out.tokens])
+        seq_len, tokens = slow(trips, state.seq_len, out.tokens)
         state, out = state._replace(seq_len=seq_len), out._replace(tokens=tokens)
-        dispatched.append(n)
-        released_by.setdefault(n - 1, "next dispatch")
-        release[n - 1].set()
+        outputs.append((tokens, seq_len))
+        events.append(("dispatch", n))
         return state, out
 
-    def release_all():
-        for n in [-1, *dispatched]:
-            released_by.setdefault(n, "end")
-            release[n].set()
+    real_device_get = jax.device_get
+
+    def logged_device_get(x):
+        tokens = getattr(x, "tokens", None)
+        for n, (t, _) in enumerate(outputs):
+            if tokens is t:
+                events.append(("read", n))
+        return real_device_get(x)
 
     dec.round = slow_round
+    engine_module.jax.device_get = logged_device_get  # the engine's one read point
     try:
         engine.generate(PROMPTS[0], SamplingParams(max_tokens=2), timeout=120)  # compiles
         assert engine.wait_idle(30)
         enforce[0] = True
-        dispatched.clear()
-        release.clear()
-        released_by.clear()
+        outputs.clear()
+        events.clear()
         waited = engine.stats.device_wait_seconds
         res = engine.generate(PROMPTS[1], SamplingParams(max_tokens=10), timeout=120)
-        release_all()  # the round dispatched before the request's finish was read
         assert engine.wait_idle(30)
     finally:
-        release_all()
+        engine_module.jax.device_get = real_device_get
         del dec.round  # back to the class attribute's bound method
-    assert timed_out == [], f"round(s) {timed_out} were waited on before the next dispatch"
-    assert res.rounds >= 3 and len(dispatched) >= res.rounds
-    # Every round but the last was released by the next one's dispatch; the last, dispatched
-    # before the request's finish was read, only by the test.
-    order = [released_by[n] for n in range(-1, len(dispatched))]
-    assert order == ["next dispatch"] * len(dispatched) + ["end"]
-    # The host's reads of the held rounds count as device time.
-    assert engine.stats.device_wait_seconds - waited >= 0.05 * len(dispatched)
+    assert res.rounds >= 3 and len(outputs) >= res.rounds
+    assert ready_at_next_dispatch == [], (
+        f"round(s) {ready_at_next_dispatch} had finished when the next one was dispatched: "
+        "the host waited on the round in flight"
+    )
+    # Each round's output is read once, in order, after the next round was dispatched
+    # (the last only once no round follows it).
+    reads = [n for kind, n in events if kind == "read"]
+    assert reads == list(range(len(outputs)))
+    for n in range(len(outputs) - 1):
+        assert events.index(("dispatch", n + 1)) < events.index(("read", n)), events
+    # The host's reads of the slow rounds count as device time.
+    assert engine.stats.device_wait_seconds - waited >= 0.3 * len(outputs)
     assert engine.compilations_after_warmup == 0
 
 
