@@ -1,8 +1,52 @@
-"""Tables of the training-step roofline (``benchmarks/train_roofline.py``)."""
+"""Tables of the training-step roofline (``benchmarks/train_roofline.py``): the per-case
+roofline, and what DeepSpec's DSpark recipe costs in chip-hours, online or from a cache.
+
+The recipe (``RECIPE``) is DeepSpec's ``config/dspark/dspark_qwen3_4b_online.py``
+(deepseek-ai/DeepSpec): sequences up to 4096 tokens, 512 anchors, γ = 7 (``block_size``),
+5 draft layers, taps [1, 9, 17, 25, 33], 512 sequences per step, 10 epochs. Its 8B and 14B
+DSpark configs are taken to differ only in the target (as its ``config/dflash`` configs
+for the three sizes do). Tokens per epoch come from its README's cache size: "roughly
+38 TB" for Qwen3-4B, at the bytes per token its ``scripts/data/estimate_target_cache_size.py``
+writes (int32 id, attention and loss mask bytes, 5 tap states and the last hidden state in
+bf16: ``6 + 2·(5+1)·d``), i.e. 38e12 / 30,726 = 1.24e9 tokens; the same answers' length is
+assumed for 8B and 14B (each target regenerates them). We model them as packed rows of
+4096 tokens with 512 anchors per row (DeepSpec samples 512 anchors per sample; its samples
+average under 4096 tokens, so it supervises at least as many blocks per token: this is a
+lower bound on its drafter work).
+"""
 
 from __future__ import annotations
 
 from typing import Any
+
+from dspark_jax.perf.roofline import CHIPS
+from dspark_jax.perf.train_roofline import ICI_GB_PER_S
+
+RECIPE = {
+    "source": "deepseek-ai/DeepSpec config/dspark/dspark_qwen3_4b_online.py, README.md, "
+    "scripts/data/estimate_target_cache_size.py",
+    "seq_len": 4096,
+    "anchors": 512,
+    "gamma": 7,
+    "draft_layers": 5,
+    "taps": 5,
+    "global_batch": 512,
+    "epochs": 10,
+    "cache_tb_4b": 38.0,
+}
+HIDDEN = {"4b": 2560, "8b": 4096, "14b": 5120}
+PRESET = {"4b": "qwen3-4b", "8b": "qwen3-8b", "14b": "qwen3-14b"}
+CHIPS_PER_HOST = 4
+CACHE_GB_PER_S_PER_HOST = 2.0  # a stated assumption: sustained reads per host
+
+
+def cache_bytes_per_token(hidden: int, taps: int = 5) -> int:
+    """DeepSpec's target-cache bytes per token (its sizing script's per-sample tensors)."""
+    return 4 + 1 + 1 + 2 * (taps + 1) * hidden
+
+
+def tokens_per_epoch() -> float:
+    return RECIPE["cache_tb_4b"] * 1e12 / cache_bytes_per_token(HIDDEN["4b"])
 
 
 def case_line(res: dict[str, Any]) -> str:
@@ -15,9 +59,176 @@ def case_line(res: dict[str, Any]) -> str:
     )
 
 
+def _rerated(case: dict[str, Any], chip_name: str, extra_flops: float = 0.0,
+             drop: tuple[str, ...] = ()) -> dict[str, float]:  # fmt: skip
+    """A compiled case's per-chip flops, bytes and collective bytes timed on ``chip_name``'s
+    peak, HBM and ICI figures, plus ``extra_flops`` of work at the case's flops/bytes mix,
+    less the hand-count parts ``drop`` (and the collectives of their scopes)."""
+    chip = CHIPS[chip_name]
+    pc = case["per_chip"]
+    flops, bytes_ = pc["flops"], pc["bytes"]
+    coll = pc["collective_bytes"]
+    removed = sum(case["hand_count"].get(k, 0.0) for k in drop)
+    if removed:
+        share = removed / pc["hand_flops"]
+        flops, bytes_ = flops * (1 - share), bytes_ * (1 - share)
+        coll -= sum(
+            v for k, v in case["collectives"]["by_scope"].items() if "Qwen3.hidden_states" in k
+        )
+    scale = 1 + extra_flops / flops if flops else 1.0
+    flops, bytes_ = flops * scale, bytes_ * scale
+    t = max(flops / (chip.bf16_tflops * 1e12), bytes_ / (chip.hbm_gb_per_s * 1e9))
+    return {"seconds": t + coll / (ICI_GB_PER_S[chip_name] * 1e9), "flops": flops}
+
+
 def cost_table(cases: dict[str, Any]) -> dict[str, Any]:
-    return {}
+    """Chip-hours of the recipe per target size and chip, online and from a cache."""
+    from dspark_jax.perf.train_roofline import StepShape, train_flops_hand_count
+
+    tokens = tokens_per_epoch()
+    rows_total = tokens * RECIPE["epochs"] / RECIPE["seq_len"]
+    steps = rows_total / RECIPE["global_batch"]
+    table = []
+    for size in ("4b", "8b", "14b"):
+        ref = cases.get(f"{size}_v5p64")
+        note = ""
+        if ref is None:
+            ref = cases.get("8b_v5p64")
+            note = "scaled from the 8B case's efficiency"
+        if ref is None:
+            continue
+        target, drafter = _configs(size)
+        rows_chip = ref["shape"]["batch"] / ref["chips"]  # rows per chip per step
+        # The recipe's 512 anchors instead of the case's: the extra hand-count flops.
+        base = StepShape(1, RECIPE["seq_len"], ref["shape"]["anchors"], RECIPE["gamma"])
+        recipe = StepShape(1, RECIPE["seq_len"], RECIPE["anchors"], RECIPE["gamma"])
+        h0 = train_flops_hand_count(target, drafter, base, target_attention="splash")
+        h1 = train_flops_hand_count(target, drafter, recipe, target_attention="splash")
+        extra = (h1["total"] - h0["total"]) * rows_chip
+        row_bytes = cache_bytes_per_token(HIDDEN[size]) * RECIPE["seq_len"]
+        for chip in ("v5p", "v5e"):
+            online = _rerated(ref, chip, extra)
+            cached = _rerated(ref, chip, extra, drop=("target_layers", "target_attention"))
+            per_row_online = online["seconds"] / rows_chip  # chip-seconds per row
+            compute_cached = cached["seconds"] / rows_chip
+            io = row_bytes / (CACHE_GB_PER_S_PER_HOST * 1e9 / CHIPS_PER_HOST)
+            per_row_cached = max(compute_cached, io)
+            table.append({
+                "size": size, "chip": chip, "note": note,
+                "online_chip_hours": per_row_online * rows_total / 3600,
+                "cache_chip_hours": per_row_cached * rows_total / 3600,
+                "cache_compute_chip_hours": compute_cached * rows_total / 3600,
+                "cache_io_bound": io > compute_cached,
+                "cache_tb": tokens * cache_bytes_per_token(HIDDEN[size]) / 1e12,
+                "break_even_gb_per_s_per_host": row_bytes / compute_cached * CHIPS_PER_HOST / 1e9,
+                "step_ms_on_64_chips": per_row_online * RECIPE["global_batch"] / 64 * 1e3,
+            })  # fmt: skip
+    return {
+        "recipe": dict(RECIPE, tokens_per_epoch=tokens, rows=rows_total, steps=steps,
+                       chips_per_host=CHIPS_PER_HOST,
+                       cache_gb_per_s_per_host=CACHE_GB_PER_S_PER_HOST),
+        "costs": table,
+    }  # fmt: skip
+
+
+def _configs(size: str):
+    from dspark_jax.models.drafter_config import DrafterConfig
+    from dspark_jax.models.presets import get_preset
+
+    target = get_preset(PRESET[size])
+    dc = DrafterConfig(kind="dspark", gamma=RECIPE["gamma"], num_layers=RECIPE["draft_layers"],
+                       markov_rank=256, mask_token_id=0, taps=(1, 9, 17, 25, 33))  # fmt: skip
+    return target, dc.resolve(target)
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f}"
 
 
 def to_markdown(res: dict[str, Any]) -> str:
-    return "\n".join(case_line(c) for c in res["cases"].values()) + "\n"
+    cases = res["cases"]
+    out = [
+        "# Training-step roofline on TPU slices, and what a drafter costs to train",
+        "",
+        "Produced by `python benchmarks/train_roofline.py` "
+        + " ".join(f"`--case {k}`" for k in cases)
+        + " (XLA:TPU from libtpu on a CPU host; nothing allocated). Per chip; the frozen "
+        "target's layers and every scan unrolled so XLA counts every layer; the splash "
+        "kernel's causal attention (a custom call XLA does not see into) modelled and added; "
+        "modelled step = max(flops / peak, bytes / HBM BW) + collective bytes / ICI BW, the "
+        "collectives (all-gather, reduce-scatter, all-reduce, all-to-all, "
+        "collective-permute, at ring-algorithm bytes per chip) not overlapped with compute; "
+        "MFU = hand-counted useful flops / (peak × modelled step) (`perf.train_roofline`).",
+        "",
+        "| case | topology | mesh | batch × T | anchors | TFLOP / chip | of which kernel | "
+        "XLA / hand | GB / chip | ICI GB / chip | step ms (flops / bytes / ICI) | bound | MFU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for k, c in cases.items():
+        pc, s, sh = c["per_chip"], c["seconds"], c["shape"]
+        mesh = ",".join(str(c["mesh"].get(a, 1)) for a in ("data", "fsdp", "tensor"))
+        out.append(
+            f"| {k} | {c['topology']} | {mesh} | {sh['batch']} × {sh['seq_len']} | "
+            f"{sh['anchors']} | {pc['flops'] / 1e12:.2f} | {pc['kernel_flops'] / 1e12:.2f} | "
+            f"{c['flops_vs_hand']:.3f} | {_gb(pc['bytes'])} | {_gb(pc['collective_bytes'])} | "
+            f"{s['step'] * 1e3:.1f} ({s['flops'] * 1e3:.1f} / {s['bytes'] * 1e3:.1f} / "
+            f"{s['collectives'] * 1e3:.1f}) | {c['bound']} | {c['mfu'] * 100:.1f} % |"
+        )
+    for k, c in cases.items():
+        if k.startswith("tiny"):
+            continue
+        pc = c["per_chip"]
+        out += ["", f"## {k}: where the work goes", ""]
+        out.append("Hand count per chip (TFLOP): " + ", ".join(
+            f"{n} {v / 1e12:.3f}" for n, v in c["hand_count"].items() if n != "total"
+        ) + f"; total {c['hand_count']['total'] / 1e12:.3f}, useful "
+            f"{pc['useful_flops'] / 1e12:.3f}.")  # fmt: skip
+        coll = c["collectives"]
+        out += ["", "Collectives (ICI GB per chip, by kind): " + ", ".join(
+            f"{n} {v / 1e9:.2f} ({coll['count'].get(n, 0)})" for n, v in coll["by_kind"].items()
+        ) + "; by scope:", ""]  # fmt: skip
+        out += [f"- {v / 1e9:.2f} GB `{n}`" for n, v in coll["by_scope"].items()]
+        hbm = pc["hbm_bytes_estimate"]
+        out += ["", f"Largest single instructions by HBM bytes (`perf.hlo_bytes`, HBM only; "
+                f"the step's estimate {hbm / 1e9:.1f} GB incl. the kernel):", ""]  # fmt: skip
+        out += [
+            f"- {r['bytes'] / 1e9:.2f} GB ({r['bytes'] / hbm * 100:.1f} %) `{r['opcode']}` "
+            f"`{r['op_name'][:150]}`"
+            for r in c["largest_instructions"]
+        ]
+        out += ["", "HBM bytes by name scope (GB):", ""]
+        out += [f"- {v / 1e9:.2f} `{n}`" for n, v in c["bytes_by_scope"].items()]
+    rec = res.get("recipe")
+    if rec and res.get("costs"):
+        out += [
+            "",
+            "## What DeepSpec's DSpark recipe costs",
+            "",
+            f"Recipe ({rec['source']}): {rec['tokens_per_epoch'] / 1e9:.2f} B tokens per epoch "
+            f"(its README's {rec['cache_tb_4b']:.0f} TB Qwen3-4B cache at its sizing script's "
+            f"bytes per token), {rec['epochs']} epochs = {rec['rows'] / 1e6:.2f} M rows of "
+            f"{rec['seq_len']} tokens, {rec['anchors']} anchors per row, γ = {rec['gamma']}, "
+            f"{rec['global_batch']} rows per step ({rec['steps']:.0f} steps). Online: the "
+            "frozen target runs in the step (this project). Cache: target features read from "
+            f"storage at {rec['cache_gb_per_s_per_host']:.0f} GB/s per host of "
+            f"{rec['chips_per_host']} chips, prefetched (step = max(compute, read)); the "
+            "target's forward and its weight all-gathers are left out of the step.",
+            "",
+            "Each size's modelled step is its compiled 32-anchor case's per-chip flops, "
+            "bytes and ICI bytes, plus the hand count's extra work for 512 anchors at the "
+            "same flops/bytes mix, timed on the chip's peak, HBM and ICI figures; v5e is the "
+            "v5p program re-rated (same per-chip work; 512 anchors need `drafter.remat` = "
+            "full to fit v5e's 16 GB, `benchmarks/results/aot_memory_v5p.md`).",
+            "",
+            "| target | chip | online chip-hours | cache chip-hours | cache compute-only "
+            "chip-hours | cache size TB | read GB/s per host to keep up | note |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in res["costs"]:
+            bound = " (read-bound)" if r["cache_io_bound"] else ""
+            out.append(
+                f"| Qwen3-{r['size'].upper()} | {r['chip']} | {r['online_chip_hours']:,.0f} | "
+                f"{r['cache_chip_hours']:,.0f}{bound} | {r['cache_compute_chip_hours']:,.0f} | "
+                f"{r['cache_tb']:.0f} | {r['break_even_gb_per_s_per_host']:.1f} | {r['note']} |"
+            )
+    return "\n".join(out) + "\n"

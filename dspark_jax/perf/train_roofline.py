@@ -77,17 +77,21 @@ class StepShape:
 def causal_pairs(seq_len: int, attention: str) -> float:
     """Query-key pairs one sequence's causal self-attention computes: ``splash`` the
     ``SPLASH_BLOCK``-square blocks on or below the diagonal, ``causal`` the exact
-    triangle, ``full`` every pair (the XLA fallback computes masked pairs too)."""
+    triangle, ``xla`` every query against the keys padded to whole ``XLA_BLOCK`` blocks
+    (``ops.flash_attention.blocked_attention`` scores masked pairs too)."""
     t = seq_len
-    if attention == "full":
-        return float(t * t)
+    if attention == "xla":
+        from dspark_jax.ops.flash_attention import XLA_BLOCK
+
+        blk = min(XLA_BLOCK, t)
+        return float(t * (-(-t // blk) * blk))
     if attention == "causal":
         return t * (t + 1) / 2.0
     if attention == "splash":
         blk = min(SPLASH_BLOCK, t)
         nb = -(-t // blk)
         return nb * (nb + 1) / 2.0 * blk * blk
-    raise ValueError(f"attention must be splash, causal or full, got {attention!r}")
+    raise ValueError(f"attention must be splash, causal or xla, got {attention!r}")
 
 
 def _proj_flops(c) -> float:
@@ -369,7 +373,7 @@ def analyse(
     blocked = shape.pack * shape.seq_len > _key_chunk()
     hand = train_flops_hand_count(
         target, drafter, shape,
-        target_attention="splash" if calls else "full",
+        target_attention="splash" if calls else "xla",
         drafter_attention_passes=4.0 if blocked else 3.0,
         trainable_params=int(report["trainable_params"]),
     )  # fmt: skip
