@@ -7,6 +7,8 @@ fingerprints match)."""
 import copy
 import json
 import os
+import pathlib
+import re
 import sys
 
 import pytest
@@ -238,3 +240,32 @@ def test_headings_are_distinct_and_the_index_lists_every_page(summarize):
     assert len(roofline) >= 2 and all("on v5p" in h for h in roofline)
     for page in summarize.MANIFEST:
         assert f"]({page.name})" in pages["README.md"]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_stays_short_and_every_docs_link_resolves():
+    """The README is the front door (two screens, no tables of figures), and every relative
+    link in it, in DESIGN.md / BENCHMARKS.md and under docs/ names a file that exists and,
+    with #anchor, a heading in it."""
+    root = pathlib.Path(REPO)
+    readme = (root / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    assert "python serve.py --demo" in readme and "python -m pytest -q" in readme
+    pages = [root / "README.md", root / "DESIGN.md", root / "BENCHMARKS.md"]
+    pages += sorted((root / "docs").rglob("*.md"))
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            if link.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            assert target.exists(), f"{page.relative_to(root)}: no {link}"
+            if anchor and target.suffix == ".md":
+                heads = re.sub(r"```.*?```", "", target.read_text(), flags=re.S)
+                slugs = {_slug(h) for h in re.findall(r"^#+ (.*)$", heads, flags=re.M)}
+                assert anchor in slugs, f"{page.relative_to(root)}: no heading for {link}"
