@@ -34,6 +34,8 @@ def included(path: pathlib.Path, command: str, note=()) -> list[str]:
     text = path.read_text().splitlines()
     title, body = (text[0], text[1:]) if text and text[0].startswith("# ") else (None, text)
     head = [demote(title), ""] if title else []
+    while body and not body[0].strip():
+        body = body[1:]
     return [*head, f"    {command}", "", *note] + [demote(line) for line in body] + [""]
 
 
