@@ -4,6 +4,12 @@ Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or S
 streaming; chat messages rendered with the model's chat template, ``serve/chat.py``),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
+Access and bounds (``ServerLimits``): with an API key every ``/v1/*`` route needs
+``Authorization: Bearer <key>`` (compared in constant time; 401 otherwise), while
+``/health`` and ``/metrics`` stay open for probes and scrapers. A request body over
+``max_body_bytes`` is a 413, and a request whose choices (prompts × ``n``) times
+``max_tokens`` exceed ``max_request_tokens`` is a 400 naming the bound.
+
 ``/health`` is 200 ``{"status": "ok"}`` when serving, and 503 with ``"starting"`` (plus
 the warm-up step, e.g. ``compiling verify round 3 of 8``) while an engine started with
 ``start(background=True)`` compiles, ``"shutting_down"`` while draining, ``"failed"``
@@ -27,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import signal
 import socket
@@ -57,6 +64,10 @@ from dspark_jax.serve.metrics import EngineMetrics
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: until the cache ends)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; pass 0 for greedy
 MAX_N = 16  # choices per request (n): each is one engine request
+MAX_CHOICES = 64  # prompts × n of one /v1/completions request
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_REQUEST_TOKENS = 65536  # n × max_tokens summed over a request's prompts
+API_KEY_ENV = "DSPARK_API_KEY"
 # Fields each endpoint understands; any other field is a 400 naming it, never ignored.
 # Penalties are accepted only at their neutral value 0.
 _SAMPLING_FIELDS = {
@@ -67,6 +78,27 @@ _COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs"}
 _CHAT_FIELDS = _SAMPLING_FIELDS | {
     "messages", "max_completion_tokens", "chat_template_kwargs", "logprobs", "top_logprobs",
 }  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """Access and size bounds of one server. ``api_key``: required on every ``/v1/*``
+    route as ``Authorization: Bearer <key>`` (None: open). ``max_body_bytes``: largest
+    request body (413 beyond). ``max_request_tokens``: bound on the tokens a request may
+    ask to generate, choices (prompts × ``n``) × ``max_tokens`` (400 beyond; a chat
+    request without ``max_tokens`` counts the room its prompt leaves in the context)."""
+
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
+
+    def __post_init__(self):
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty; give a non-empty key or none")
+        for name in ("max_body_bytes", "max_request_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 class APIError(Exception):
@@ -142,23 +174,37 @@ def _parse_sampling(body: Any, model_name: str, known: set[str], max_tokens_defa
 
 
 def parse_completion_request(body: Any, model_name: str) -> tuple[Any, SamplingParams, dict]:
-    """Validate a ``/v1/completions`` body: ``(prompt, params, options)`` or ``APIError``."""
+    """Validate a ``/v1/completions`` body: ``(prompts, params, options)`` or
+    ``APIError``. ``prompt`` is a string or a list of strings (OpenAI's batch: ``n``
+    choices per prompt, choice ``i * n + j`` is prompt ``i``'s ``j``-th);
+    ``prompts`` is always a list."""
     params, options = _parse_sampling(body, model_name, _COMPLETION_FIELDS, DEFAULT_MAX_TOKENS)
     if "prompt" not in body:
         raise APIError(400, "prompt is required", "prompt")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # the OpenAI client may send a one-element batch
-    if not isinstance(prompt, str):
-        raise APIError(400, "prompt must be a string (batched prompts are not supported)", "prompt")
+    prompts = prompt if isinstance(prompt, list) else [prompt]
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise APIError(
+            400,
+            "prompt must be a string or a non-empty list of strings (token-id prompts are "
+            f"not supported), got {str(prompt)[:80]}",
+            "prompt",
+        )
+    if len(prompts) * options["n"] > MAX_CHOICES:
+        raise APIError(
+            400,
+            f"{len(prompts)} prompts x n = {options['n']} is {len(prompts) * options['n']} "
+            f"choices; at most {MAX_CHOICES} per request",
+            "prompt",
+        )
     # An integer: alternatives per token (validated with the other settings).
     params = dataclasses.replace(params, logprobs=body.get("logprobs"))
-    return prompt, params, options
+    return prompts, params, options
 
 
 def parse_chat_request(body: Any, model_name: str, template: ChatTemplate | None):
     """Validate a ``/v1/chat/completions`` body and render its messages with the model's
-    chat template: ``(prompt text, params, options)`` or ``APIError``."""
+    chat template: ``([prompt text], params, options)`` or ``APIError``."""
     if isinstance(body, dict) and "max_completion_tokens" in body:
         if body.get("max_tokens") is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
@@ -181,7 +227,7 @@ def parse_chat_request(body: Any, model_name: str, template: ChatTemplate | None
         text = template.render(parse_messages(body["messages"]), True, kwargs)
     except InvalidRequest as e:
         raise APIError(400, str(e), e.param) from e
-    return text, dataclasses.replace(params, logprobs=_chat_logprobs_field(body)), options
+    return [text], dataclasses.replace(params, logprobs=_chat_logprobs_field(body)), options
 
 
 def _chat_logprobs_field(body: dict) -> int | None:
@@ -233,12 +279,15 @@ def create_app(
     metrics: EngineMetrics | None = None,
     shutdown_engine: bool = True,
     chat_template: ChatTemplate | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The FastAPI app for a started ``engine``. With ``shutdown_engine`` the app's
     lifespan drains and stops the engine when the server shuts down. ``chat_template``
     (``serve.chat.load_chat_template`` of the target directory) enables
-    ``/v1/chat/completions``; without one that endpoint answers 400."""
+    ``/v1/chat/completions``; without one that endpoint answers 400. ``limits``: the
+    API key and size bounds (default: no key, the default bounds)."""
     name = model_name or engine.config.model_name
+    limits = limits or ServerLimits()
     metrics = metrics or EngineMetrics()
     metrics.attach(engine)
     engine.listener = metrics
@@ -252,6 +301,8 @@ def create_app(
 
     app = FastAPI(title="dspark_jax", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, name
+    app.state.limits = limits
+    app.add_middleware(_AccessGuard, limits=limits)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):
@@ -295,20 +346,27 @@ def create_app(
 
     async def submit(request: Request, parse, chat: bool) -> Response:
         try:
-            raw = await request.body()
+            raw = await _read_body(request, limits.max_body_bytes)
             try:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise APIError(400, f"request body is not valid JSON: {e}") from e
-            prompt, params, options = parse(body)
+            prompts, params, options = parse(body)
+            n = options["n"]
             handles = []
             try:
-                for i in range(options["n"]):
-                    # n independent samples; a seeded request's choice i uses seed + i.
-                    p = params
-                    if params.seed is not None and i:
-                        p = dataclasses.replace(params, seed=params.seed + i)
-                    handles.append(engine.submit(prompt, p, loop=asyncio.get_running_loop()))
+                # Every prompt checked (and the request's size bounded) before any is queued.
+                checked = [engine.check_request(p, params) for p in prompts]
+                _check_request_tokens(
+                    [p.max_tokens for _, p in checked], n, limits.max_request_tokens, chat
+                )
+                for ids, _ in checked:
+                    for j in range(n):
+                        # n independent samples; a seeded request's choice j uses seed + j.
+                        p = params
+                        if params.seed is not None and j:
+                            p = dataclasses.replace(params, seed=params.seed + j)
+                        handles.append(engine.submit(ids, p, loop=asyncio.get_running_loop()))
             except ContextLengthExceeded as e:
                 what = "messages" if chat else "prompt"
                 raise APIError(
@@ -324,11 +382,11 @@ def create_app(
                 metrics.rejected.labels("shutting_down").inc()
                 raise APIError(503, str(e), kind="service_unavailable") from e
             finally:
-                if len(handles) < options["n"]:  # refused part-way: drop the rest
+                if len(handles) < n * len(prompts):  # refused part-way: drop the rest
                     for h in handles:
                         h.cancel()
         except APIError as e:
-            if e.status in (400, 404):
+            if e.status in (400, 404, 413):
                 metrics.rejected.labels("invalid").inc()
             return _error(e)
 
@@ -336,11 +394,11 @@ def create_app(
         fmt = _LogprobFormat(engine.tokenizer, chat)
         if options["stream"]:
             return StreamingResponse(
-                _stream(handles, rid, name, options["include_usage"], chat, fmt),
+                _stream(handles, rid, name, options["include_usage"], chat, fmt, n),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        return await _complete(request, handles, rid, name, chat, fmt)
+        return await _complete(request, handles, rid, name, chat, fmt, n)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -352,6 +410,91 @@ def create_app(
         return await submit(request, parse, True)
 
     return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 once it grows past ``limit`` bytes (a declared
+    ``Content-Length`` over it was refused before the route, by ``_AccessGuard``)."""
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise _too_large(limit)
+    return bytes(raw)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"request body is larger than this server's bound of {limit} bytes "
+        "(serve.py --max-body-bytes)",
+        code="request_too_large",
+    )
+
+
+def _check_request_tokens(max_tokens: list[int], n: int, bound: int, chat: bool) -> None:
+    """``APIError`` 400 when the request's choices could generate more than ``bound``
+    tokens in all: sum over prompts of ``n`` × its ``max_tokens``."""
+    total = n * sum(max_tokens)
+    if total <= bound:
+        return
+    each = f"max_tokens {max_tokens[0]}" if len(set(max_tokens)) == 1 else "their max_tokens"
+    what = "" if len(max_tokens) == 1 else f"{len(max_tokens)} prompts x "
+    room = " (no max_tokens: the room left in the context)" if chat else ""
+    raise APIError(
+        400,
+        f"this request may generate {total} tokens ({what}n = {n} x {each}{room}), over "
+        f"this server's bound of {bound} tokens per request (n x max_tokens, serve.py "
+        "--max-request-tokens); lower n or max_tokens",
+        "max_tokens",
+        code="request_too_large",
+    )
+
+
+class _AccessGuard:
+    """ASGI middleware in front of every route: the API key on ``/v1/*`` (constant-time
+    comparison; 401 in OpenAI's error shape) and a declared body size over the bound
+    (413). Plain ASGI, so streaming responses and disconnect detection are untouched."""
+
+    def __init__(self, app, limits: ServerLimits):
+        self.app, self.limits = app, limits
+        self.key = None if limits.api_key is None else limits.api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        refusal = self._refusal(scope) if scope["type"] == "http" else None
+        if refusal is None:
+            await self.app(scope, receive, send)
+        else:
+            await refusal(scope, receive, send)
+
+    def _refusal(self, scope) -> Response | None:
+        headers = dict(scope.get("headers") or ())
+        path = scope.get("path", "")
+        if self.key is not None and (path == "/v1" or path.startswith("/v1/")):
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            # compare_digest always runs, so a missing header takes as long as a wrong key.
+            good = hmac.compare_digest(token.strip(), self.key)
+            if not good or scheme.lower() != b"bearer":
+                return JSONResponse(
+                    _error_body(
+                        "missing or incorrect API key: send the header "
+                        "'Authorization: Bearer <key>' with the key the server was started "
+                        f"with (serve.py --api-key or {API_KEY_ENV})",
+                        "invalid_request_error",
+                        code="invalid_api_key",
+                    ),
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                return _error(APIError(400, f"Content-Length is not a number: {length!r}"))
+            if declared > self.limits.max_body_bytes:
+                return _error(_too_large(self.limits.max_body_bytes))
+        return None
 
 
 class _LogprobFormat:
@@ -408,10 +551,11 @@ def _chunk(
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _usage_of(results: list[Result]) -> dict[str, int]:
-    """One request's usage over its ``n`` choices: the prompt counted once."""
+def _usage_of(results: list[Result], n: int = 1) -> dict[str, int]:
+    """One request's usage over its choices (``n`` per prompt, in choice order): each
+    prompt counted once."""
     completion = sum(r.completion_tokens for r in results)
-    prompt = results[0].prompt_tokens
+    prompt = sum(r.prompt_tokens for r in results[::n])
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}  # fmt: skip
 
@@ -441,12 +585,12 @@ async def _events(handles):
             t.cancel()
 
 
-async def _stream(handles, rid: str, model: str, include_usage: bool, chat: bool, fmt):
+async def _stream(handles, rid: str, model: str, include_usage: bool, chat: bool, fmt, n=1):
     """SSE: one chunk per decode round with new text (or, when asked for, logprobs) of a
     choice (chat: a choice's first chunk carries the assistant role), a final chunk per
     choice with its finish reason, then (``include_usage``) the usage, then
     ``data: [DONE]``. A disconnect cancels every choice (``finally``)."""
-    started, results = set(), []
+    started, results = set(), {}
     try:
         async for i, ev in _events(handles):
             if isinstance(ev, Delta):
@@ -458,7 +602,7 @@ async def _stream(handles, rid: str, model: str, include_usage: bool, chat: bool
                     )  # fmt: skip
                     started.add(i)
                 continue
-            results.append(ev)
+            results[i] = ev
             if ev.finish_reason in ("stop", "length"):
                 first = i not in started
                 started.add(i)
@@ -469,8 +613,9 @@ async def _stream(handles, rid: str, model: str, include_usage: bool, chat: bool
             else:
                 msg = ev.error or f"request ended: {ev.finish_reason}"
                 yield f"data: {json.dumps(_error_body(msg, 'server_error'))}\n\n"
-        if include_usage and results:
-            obj = {**_envelope(rid, model, chat, True), "choices": [], "usage": _usage_of(results)}
+        if include_usage and len(results) == len(handles):
+            usage = _usage_of([results[i] for i in range(len(handles))], n)
+            obj = {**_envelope(rid, model, chat, True), "choices": [], "usage": usage}
             yield f"data: {json.dumps(obj)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
@@ -479,7 +624,7 @@ async def _stream(handles, rid: str, model: str, include_usage: bool, chat: bool
                 h.cancel()
 
 
-async def _complete(request: Request, handles, rid: str, model: str, chat: bool, fmt):
+async def _complete(request: Request, handles, rid: str, model: str, chat: bool, fmt, n=1):
     tasks = [asyncio.ensure_future(h.aresult()) for h in handles]
     try:
         while True:
@@ -507,7 +652,7 @@ async def _complete(request: Request, handles, rid: str, model: str, chat: bool,
             _choice(r.text, r.finish_reason, chat, index=i, logprobs=fmt(r.logprobs, i))
             for i, r in enumerate(results)
         ],
-        "usage": _usage_of(results),
+        "usage": _usage_of(results, n),
         "dspark": _dspark_info(results[0]),
     }
     if len(results) > 1:
@@ -576,6 +721,7 @@ __all__ = [
     "APIError",
     "BackgroundServer",
     "DrainingServer",
+    "ServerLimits",
     "create_app",
     "make_server",
     "parse_chat_request",
