@@ -29,6 +29,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from dspark_jax.models.drafter_io import drafter_dir_error, is_drafter_dir
 from dspark_jax.models.qwen3 import Qwen3Config
 
 CONFIG_NAME = "config.json"
@@ -439,12 +440,8 @@ def read_hf_config(path: str | os.PathLike) -> Qwen3Config:
         raise FileNotFoundError(f"Hugging Face model directory {path} does not exist")
     config_path = os.path.join(path, CONFIG_NAME)
     if not os.path.isfile(config_path):
-        if os.path.isfile(os.path.join(path, "drafter_config.json")):
-            raise FileNotFoundError(
-                f"{path} looks like a dspark_jax drafter directory (it has drafter_config.json, "
-                f"no {CONFIG_NAME}): pass it as the drafter (--drafter), and a Hugging Face "
-                "Qwen3 directory as the target"
-            )
+        if is_drafter_dir(path):
+            raise drafter_dir_error(path, None, None)
         raise FileNotFoundError(f"No {CONFIG_NAME} in {path} (looked for {config_path})")
     with open(config_path) as fh:
         try:

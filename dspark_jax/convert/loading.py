@@ -15,7 +15,13 @@ from typing import Any
 import jax
 
 from dspark_jax.convert.hf_qwen3 import load_hf
-from dspark_jax.models.drafter_io import STS, load_drafter, load_sts
+from dspark_jax.models.drafter_io import (
+    STS,
+    drafter_dir_error,
+    is_drafter_dir,
+    load_drafter,
+    load_sts,
+)
 from dspark_jax.models.fingerprint import weights_fingerprint
 from dspark_jax.models.qwen3 import Qwen3, Qwen3Config
 from dspark_jax.tokenizer import TOKENIZER_FILENAME, Tokenizer
@@ -65,14 +71,23 @@ class LoadedDrafter:
 
 
 def load_target(
-    target_dir: str | os.PathLike, dtype=None, *, check_tokenizer: bool = True
+    target_dir: str | os.PathLike,
+    dtype=None,
+    *,
+    check_tokenizer: bool = True,
+    flag: str | None = "--target",
+    drafter_flag: str | None = "--drafter",
 ) -> LoadedTarget:
     """The target in ``target_dir``; ``dtype`` casts the weights (None: the config's
     ``param_dtype``). ``check_tokenizer``: refuse a tokenizer with more ids than the
-    target's vocabulary here (the serving engine checks it itself, after the drafter)."""
+    target's vocabulary here (the serving engine checks it itself, after the drafter).
+    A drafter directory given as the target is refused by name (``flag``: the option it
+    was given as, ``drafter_flag``: the one it belongs to; None where there is none)."""
     d = Path(target_dir)
     if not d.is_dir():
         raise FileNotFoundError(f"target directory {d} does not exist")
+    if is_drafter_dir(d):
+        raise drafter_dir_error(d, flag, drafter_flag)
     for name in ("config.json", TOKENIZER_FILENAME):
         if not (d / name).is_file():
             raise FileNotFoundError(f"target directory {d} has no {name}")

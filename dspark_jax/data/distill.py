@@ -650,7 +650,9 @@ def main(argv=None) -> int:
 
     def cli():
         settings.validate()
-        target = load_target(args.target)
+        # distillation reads only the target: a drafter given as it is named, with no
+        # --drafter to point at
+        target = load_target(args.target, drafter_flag=None)
         model, params, tokenizer = target.module, target.params, target.tokenizer
         # TFDS prints to stdout; keep stdout for the JSON summary.
         with contextlib.redirect_stdout(sys.stderr):

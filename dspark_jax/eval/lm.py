@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     def cli(args):
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-        target = load_target(args.target, dtype="float32")  # read once for both
+        target = load_target(args.target, dtype="float32", drafter_flag=None)  # once for both
         result = heldout_loss(
             target, args.data_dir, args.seq_len, args.batch_size, args.num_batches
         )

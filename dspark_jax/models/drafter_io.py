@@ -42,6 +42,8 @@ __all__ = [
     "STS",
     "STS_FILENAME",
     "WEIGHTS_NAME",
+    "drafter_dir_error",
+    "is_drafter_dir",
     "load_drafter",
     "load_sts",
     "save_drafter",
@@ -56,6 +58,27 @@ FORMAT_VERSION = 3
 _READS_FORMATS = (1, 2, 3)
 _TARGET_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers")
 STS_FILENAME = "sts.json"
+
+
+def is_drafter_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` looks like a drafter directory (it holds ``drafter_config.json``)."""
+    return os.path.isfile(os.path.join(os.fspath(path), CONFIG_NAME))
+
+
+def drafter_dir_error(
+    path: str | os.PathLike, flag: str | None = "--target", drafter_flag: str | None = "--drafter"
+) -> ValueError:
+    """The one message for a drafter directory given where a target (a Hugging Face
+    Qwen3 directory) is expected: ``flag`` names where it was given, ``drafter_flag``
+    where it belongs (None: the entry point has no such flag)."""
+    given = f"{flag} {os.fspath(path)}" if flag else os.fspath(path)
+    where = f"pass it as {drafter_flag}" if drafter_flag else "give it where a drafter goes"
+    target = f" as {flag}" if flag else " as the target"
+    return ValueError(
+        f"{given} is a drafter directory (it has {CONFIG_NAME}), not a Hugging Face Qwen3 "
+        f"target: {where}, and a Qwen3 directory (config.json, model.safetensors, "
+        f"tokenizer.json){target}"
+    )
 
 
 def _flatten(tree: Mapping, prefix: str = "") -> dict[str, np.ndarray]:

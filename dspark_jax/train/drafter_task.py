@@ -89,6 +89,10 @@ class DrafterTask(Task):
                     "Face Qwen3 directory (config.json, model.safetensors, tokenizer.json), "
                     "e.g. one written by `python -m dspark_jax.export`."
                 )
+            from dspark_jax.models.drafter_io import drafter_dir_error, is_drafter_dir
+
+            if is_drafter_dir(d):  # train.py has no --drafter: say which key to fix
+                raise drafter_dir_error(d, "--config.target.dir", None)
             self._target_config = read_hf_config(d)
         return self._target_config
 
