@@ -11,8 +11,9 @@
 * ``--prompts``: JSONL, one object per line with ``turns`` (a list of strings); ``turns[0]``
   is rendered for a base code model by ``--prompt-style`` (the same rendering as
   ``python -m dspark_jax.eval``; default ``auto``: a fenced code block is extracted, a
-  code instruction becomes a docstring + ``def``, anything else a comment; ``raw`` passes
-  the turn through unchanged).
+  code instruction becomes a docstring + ``def``, anything else a comment; plain text, a
+  ``"prompt"`` string or a turn that already reads as code, is left as it is; ``raw``
+  passes every turn through unchanged).
 * Output: one JSON line per sample: ``prompt_index``, ``sample_index``, ``tokens`` (generated
   ids), ``text``, ``finish_reason`` (``eos`` | ``length``), ``rounds``,
   ``accepted_per_round`` (accepted draft tokens per round; τ of a round is that + 1),
@@ -81,7 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--prompt-style",
         default="auto",
         choices=PROMPT_STYLES,
-        help="how first turns are rendered for a base code model (as in dspark_jax.eval)",
+        help="how first turns are rendered for a base code model (as in dspark_jax.eval; "
+        "auto leaves plain text as it is)",
     )
     p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0)

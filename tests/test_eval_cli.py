@@ -1,6 +1,8 @@
 """Evaluation harness end to end on tiny random models: prompts, jitted fixed-block runs,
 results file, diagrams, and the command line."""
 
+import contextlib
+import io
 import json
 
 import jax
@@ -51,6 +53,22 @@ def test_prompt_formats():
         format_prompt("no code here", "x", style="code")
     with pytest.raises(ValueError, match="unknown prompt style"):
         format_prompt("x", "x", style="chat")
+
+
+def test_plain_text_prompts_are_left_as_they_are(tmp_path):
+    """auto renders a benchmark's instruction turns, never plain text: a "prompt" string
+    or a turn that already reads as code stays as it is, unless a style is asked for."""
+    code = "def fibonacci(n):\n    a, b = 0, 1\n"
+    for text in (code, "import os\n\n", "# a comment\nx = 1\n", '"""Doc."""\n', "@dec\n"):
+        assert format_prompt(text, "anything") == text
+    assert format_prompt(code, "x", style="comment").startswith("# def fibonacci")
+    f = tmp_path / "mine.jsonl"
+    plain = "Once upon a time, in a small town,"
+    f.write_text(json.dumps({"prompt": plain}) + "\n" + json.dumps({"turns": [code]}) + "\n")
+    assert [p.formatted for p in load_prompts(f)] == [plain, code]
+    assert load_prompts(f, style="comment")[0].formatted == f"# {plain}\n# Answer:\n"
+    # Instruction turns are still rendered.
+    assert format_prompt("Two plus two?", "gsm8k") == "# Two plus two?\n# Answer:\n"
 
 
 def test_load_prompts_and_errors(tmp_path):
@@ -138,8 +156,7 @@ def cli_run(workspace, tmp_path_factory):
         "--max-prompt-tokens",
         "16",
     ]
-    cal_rc = main(
-        [
+    cal_argv = [
             "calibrate",
             *common,
             "--drafter",
@@ -154,8 +171,16 @@ def cli_run(workspace, tmp_path_factory):
             str(dspark / "sts.json"),
             "--min-fit-rounds",
             "0",  # a tiny run: a handful of rounds
-        ]
-    )
+    ]  # fmt: skip
+    # This tiny random drafter's fit is worse than none at some held-out positions: the
+    # first run refuses to write, naming them; --force writes it anyway.
+    refused = io.StringIO()
+    with contextlib.redirect_stderr(refused):
+        refused_rc = main(cal_argv)
+    refused_written = (dspark / "sts.json").exists()
+    forced = io.StringIO()
+    with contextlib.redirect_stdout(forced):
+        cal_rc = main([*cal_argv, "--force"])
     results = out_dir / "results.json"
     acc_rc = main(
         [
@@ -176,12 +201,29 @@ def cli_run(workspace, tmp_path_factory):
         ]
     )
     return {
+        "refused": (refused_rc, refused_written, refused.getvalue()),
+        "forced_out": forced.getvalue(),
         "cal_rc": cal_rc,
         "acc_rc": acc_rc,
         "dspark": dspark,
         "results": results,
         "out_dir": out_dir,
     }
+
+
+def test_cli_calibrate_refuses_a_fit_that_makes_a_position_worse(cli_run):
+    rc, written, err = cli_run["refused"]
+    assert rc == 2 and not written
+    line = next(ln for ln in err.splitlines() if ln.startswith("error: "))
+    assert "calibration makes drafter dspark worse at position(s) k = " in line
+    assert "was not written" in line and "--force" in line
+    out = cli_run["forced_out"]
+    assert "warning: calibration makes drafter dspark worse at position(s) k = " in out
+    sts = json.loads((cli_run["dspark"] / "sts.json").read_text())
+    worse = sts["data"]["worse_heldout_positions"]
+    assert worse and all(f"k = {k} (" in line for k in worse)
+    for row in sts["heldout_metrics"]:
+        assert (row["ece_after"] > row["ece_before"]) == (row["position"] in worse)
 
 
 def test_cli_calibrate_writes_sts(cli_run):
@@ -313,3 +355,36 @@ def test_calibrate_refuses_too_few_rounds():
     check_fit_rounds(MIN_FIT_ROUNDS, MIN_FIT_ROUNDS)
     with pytest.raises(ValueError, match="only 31 decode rounds.*nothing was written"):
         check_fit_rounds(31, MIN_FIT_ROUNDS)
+
+
+def test_every_entry_point_names_a_drafter_given_as_target(tmp_path, capsys):
+    """One check in the shared loader (convert.loading.load_target): eval, distill,
+    generate and serve each say the directory is a drafter's, and where it belongs."""
+    import pathlib
+    import sys
+
+    from dspark_jax.data import distill
+    from dspark_jax.generate import main as generate_main
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo))
+    import serve
+
+    drafter = serve.DEFAULT_DRAFTER
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f():"}) + "\n")
+    runs = {
+        "eval": lambda: main(["acceptance", "--target", drafter, "--drafter", drafter,
+                              "--prompts", str(prompts), "--out", str(tmp_path / "r.json")]),
+        "generate": lambda: generate_main(["--target", drafter, "--prompts", str(prompts),
+                                           "--out", str(tmp_path / "g.jsonl")]),
+        "distill": lambda: distill.main(["--target", drafter, "--corpus-dir", str(tmp_path),
+                                         "--out-dir", str(tmp_path / "d")]),
+        "serve": lambda: serve.main(["--target", drafter]),
+    }  # fmt: skip
+    for name, run in runs.items():
+        assert run() == 2, name
+        err = capsys.readouterr().err
+        assert f"error: --target {drafter} is a drafter directory" in err, (name, err)
+        hint = "give it where a drafter goes" if name == "distill" else "pass it as --drafter"
+        assert hint in err and "Traceback" not in err, (name, err)

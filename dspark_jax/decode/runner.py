@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -125,7 +125,11 @@ class Runner:
         state = self.policy.warmup(state)
         jax.block_until_ready(state.seq_len)
 
-    def generate(self, requests: Sequence[Request]) -> tuple[list[SampleResult], GenerationStats]:
+    def generate(
+        self, requests: Sequence[Request], on_finish: Callable[[int], None] | None = None
+    ) -> tuple[list[SampleResult], GenerationStats]:
+        """Run every request to its end; ``on_finish(i)`` is called as request ``i`` ends
+        (progress bars)."""
         dec = self.decoder
         cfg = dec.config
         for i, req in enumerate(requests):
@@ -155,6 +159,8 @@ class Runner:
 
         def finish(slot, reason):
             results[slot_req[slot]].finish_reason = reason
+            if on_finish is not None:
+                on_finish(slot_req[slot])
             slot_req[slot] = None
             pool.release(slot_pages[slot])
             slot_pages[slot] = None

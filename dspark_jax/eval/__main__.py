@@ -48,11 +48,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-prompt-tokens", type=int, default=512, help="longer prompts keep their last N tokens"
     )
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     p.add_argument(
         "--prompt-style",
         default="auto",
         choices=("auto", "raw", "code", "docstring", "comment"),
-        help="how first turns are rendered for a base code model",
+        help="how first turns are rendered for a base code model (auto: a fenced block "
+        "extracted, an instruction as a docstring or comments; plain text, a 'prompt' "
+        "string or a turn that is already code, is left as it is unless a style is named)",
     )
 
 
@@ -111,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace --out (and its arrays) if it exists"
     )
     c.add_argument(
+        "--force",
+        action="store_true",
+        help="write --out even when the fit makes a position's held-out ECE worse than "
+        "uncalibrated (refused by default, naming the positions)",
+    )
+    c.add_argument(
         "--min-fit-rounds",
         type=int,
         default=MIN_FIT_ROUNDS,
@@ -144,6 +153,11 @@ def _load_sets(args):
     return sets
 
 
+def _say(message: str) -> None:
+    """A progress line on stderr (results go to stdout)."""
+    print(message, file=sys.stderr, flush=True)
+
+
 def _check_common(args):
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -162,7 +176,10 @@ def cmd_acceptance(args) -> int:
         if not math.isfinite(t) or t < 0:
             raise ValueError(f"--temperature must be finite and >= 0, got {t}")
     sets = _load_sets(args)
+    n = sum(len(ps) for ps in sets.values())
+    _say(f"loading target {args.target} and {len(args.drafter)} drafter(s)")
     target = load_target(args.target)
+    _say(f"decoding {n} prompts per drafter and temperature (the first rounds compile)")
     labels = [Path(d).name or d for d in args.drafter]
     if len(set(labels)) != len(labels):  # same directory name in different places
         labels = [f"{i}:{lab}" for i, lab in enumerate(labels)]
@@ -178,6 +195,7 @@ def cmd_acceptance(args) -> int:
         seed=args.seed,
         max_prompt_tokens=args.max_prompt_tokens,
         verifications=args.verification,
+        progress_bars=not args.no_progress,
     )
     meta = acc.run_metadata(target, drafters, vars(args))
     meta["prompt_sets"] = {
@@ -213,6 +231,7 @@ def cmd_calibrate(args) -> int:
         f, h = split_prompts(ps, args.split_fraction)
         fit_prompts += f
         held_prompts += h
+    _say(f"loading target {args.target} and drafter {args.drafter}")
     target = load_target(args.target)
     spec = load_drafter_dir(args.drafter, target)
     if not spec.has_confidence:
@@ -233,6 +252,7 @@ def cmd_calibrate(args) -> int:
     dec = acc.make_decoder(
         target, spec, gamma=g, temperature=args.temperature, slots=args.slots, max_len=max_len
     )
+    _say(f"decoding {len(prompts)} prompts (the first rounds compile)")
     rec = acc.collect_rounds(
         dec,
         ids,
@@ -240,6 +260,7 @@ def cmd_calibrate(args) -> int:
         temperature=args.temperature,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
+        progress=None if args.no_progress else "calibrate: decoding",
     )
     n_fit = len(fit_prompts)
     fit = rec.subset(range(n_fit))
@@ -307,15 +328,6 @@ def cmd_calibrate(args) -> int:
             heldout_verified=held.verified,
             heldout_prompt_index=held.prompt_index,
         )
-    path = cal.save_sts(
-        out,
-        res,
-        heldout=held_report,
-        fit_report=fit_report,
-        data=data,
-        arrays=arrays,
-        overwrite=args.overwrite,
-    )
 
     def pct(x):
         return "   -  " if x is None or not math.isfinite(x) else f"{100 * x:5.2f}%"
@@ -356,10 +368,50 @@ def cmd_calibrate(args) -> int:
             f"mean ECE of {100 * np.mean(floors):.1f}% on them (the floor column), so ECE "
             "differences below that are noise; use more prompts"
         )
+    worse = worse_positions(held_report)
+    name = Path(args.drafter).name or args.drafter
+    if worse:
+        detail = ", ".join(
+            f"k = {r['position']} ({100 * r['ece_before']:.2f}% -> {100 * r['ece_after']:.2f}%)"
+            for r in worse
+        )
+        message = (
+            f"calibration makes drafter {name} worse at position(s) {detail}: held-out ECE "
+            "after STS is above the uncalibrated ECE there"
+        )
+        if not args.force:
+            raise ValueError(
+                f"{message}; {out} was not written (use more prompts, try --mode affine, "
+                "or pass --force to write it anyway)"
+            )
+        print(f"warning: {message}; writing {out} anyway (--force)")
+        data["worse_heldout_positions"] = [r["position"] for r in worse]
+    path = cal.save_sts(
+        out,
+        res,
+        heldout=held_report,
+        fit_report=fit_report,
+        data=data,
+        arrays=arrays,
+        overwrite=args.overwrite,
+    )
+
     print(f"wrote {path}")
     if path.resolve() != cal.sts_path(args.drafter).resolve():
         print(f"serving reads {cal.sts_path(args.drafter)}; copy the file there to use it")
     return 0
+
+
+def worse_positions(held_report) -> list[dict]:
+    """The held-out report rows (one per position) whose ECE after STS is above before."""
+    out = []
+    for r in held_report or ():
+        before, after = r["ece_before"], r["ece_after"]
+        if before is None or after is None or not (math.isfinite(before) and math.isfinite(after)):
+            continue
+        if after > before + 1e-12:
+            out.append(r)
+    return out
 
 
 def _at_grid_edge(t: float) -> bool:

@@ -134,11 +134,14 @@ def collect_rounds(
     seed: int = 0,
     has_confidence: bool = True,
     verification: str = "standard",
+    progress: str | None = None,
 ) -> RoundRecords:
     """Decode every prompt with the fixed-block decoder; flatten the per-round records.
 
     ``verification``: ``standard`` (rejection sampling) or ``coupled`` (position-keyed
-    Gumbel-max, ``decode.verify.verify_coupled``); the same at temperature 0."""
+    Gumbel-max, ``decode.verify.verify_coupled``); the same at temperature 0.
+    ``progress``: a tqdm bar with this description counts finished prompts (None: no
+    bar)."""
     if temperature < 0 or not math.isfinite(temperature):
         raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
     if max_new_tokens < 1:
@@ -151,7 +154,12 @@ def collect_rounds(
         for i, p in enumerate(prompt_ids)
     ]
     runner = Runner(decoder, record_details=has_confidence, seed=seed)
-    samples, stats = runner.generate(reqs)
+    from tqdm.auto import tqdm
+
+    with tqdm(
+        total=len(reqs), desc=progress, unit="prompt", disable=progress is None, leave=False
+    ) as bar:
+        samples, stats = runner.generate(reqs, on_finish=lambda _: bar.update())
     samples = sorted(samples, key=lambda s: s.prompt_index)
     pidx, acc, ver, surv = [], [], [], []
     for s in samples:
@@ -261,9 +269,11 @@ def evaluate(
     max_prompt_tokens: int = 512,
     verifications: Sequence[str] = ("standard",),
     progress=print,
+    progress_bars: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
     """τ and calibration for every (drafter, prompt set, temperature, verification rule;
-    ``coupled`` only at T > 0, where it differs from ``standard``).
+    ``coupled`` only at T > 0, where it differs from ``standard``). ``progress`` prints
+    one line per finished arm; ``progress_bars``: a tqdm bar per arm while it decodes.
 
     Returns the result entries (JSON-ready) and the raw per-round arrays keyed
     ``"<entry>/<name>"`` (for ``np.savez``). One decoder (one compiled round) per drafter
@@ -307,6 +317,7 @@ def evaluate(
                     seed=seed,
                     has_confidence=d.has_confidence,
                     verification=rule,
+                    progress=f"{d.label} {name} T={temp:g} {rule}" if progress_bars else None,
                 )
                 entry = {
                     "drafter": d.label,

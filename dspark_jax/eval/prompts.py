@@ -36,6 +36,11 @@ A base code model has no chat template, so each first turn is rendered as source
 
 Long lines are kept as they are (no re-wrapping), so the text the model sees is exactly the
 instruction. Style ``raw`` passes the first turn through unchanged.
+
+Plain text is left as it is under ``auto``: a record's ``"prompt"`` string (text to
+continue, not a benchmark's instruction turn), and a turn that already reads as source
+code (its first line starts a ``def``, ``class``, ``import``, decorator, comment or
+docstring). Any other style asked for by name still applies to them.
 '''
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ PROMPT_STYLES = ("auto", "raw", "code", "docstring", "comment")
 CODE_INSTRUCTION_SETS = frozenset({"mbpp"})
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.I)
 _ASKS_FOR_CODE = re.compile(r"\bwrite a (?:python )?(?:function|program|class)\b", re.I)
+# The first non-blank line of text that is already source code (left as it is by auto).
+_READS_AS_CODE = re.compile(
+    r"""^[ \t]*(?:(?:async[ \t]+)?def[ \t]|class[ \t]|import[ \t]|from[ \t]+\S+[ \t]+import\b|@\w|#|\"\"\"|\'\'\')"""
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +78,13 @@ def extract_code_block(text: str) -> str | None:
     return code + "\n" if code else None
 
 
+def reads_as_code(text: str) -> bool:
+    """Whether ``text``'s first non-blank line starts Python source (``def``, ``class``,
+    ``import``, a decorator, a comment, a docstring)."""
+    first = next((ln for ln in text.splitlines() if ln.strip()), "")
+    return bool(_READS_AS_CODE.match(first))
+
+
 def format_prompt(text: str, set_name: str = "", style: str = "auto") -> str:
     """Render one first turn for a base code model (module docstring for the formats)."""
     if style not in PROMPT_STYLES:
@@ -76,6 +92,8 @@ def format_prompt(text: str, set_name: str = "", style: str = "auto") -> str:
     if not isinstance(text, str) or not text.strip():
         raise ValueError("prompt text must be a non-empty string")
     if style == "raw":
+        return text
+    if style == "auto" and reads_as_code(text):
         return text
     code = extract_code_block(text)
     if style == "code" or (style == "auto" and code is not None):
@@ -94,13 +112,15 @@ def format_prompt(text: str, set_name: str = "", style: str = "auto") -> str:
     return f"{lines}\n# Answer:\n"
 
 
-def _first_turn(record, path: Path, lineno: int) -> str:
+def _first_turn(record, path: Path, lineno: int) -> tuple[str, bool]:
+    """``(text, plain)``: the first turn, or a ``"prompt"`` string (``plain``: text to
+    continue as it is)."""
     if isinstance(record, dict):
         turns = record.get("turns")
         if isinstance(turns, list) and turns and isinstance(turns[0], str):
-            return turns[0]
+            return turns[0], False
         if isinstance(record.get("prompt"), str):
-            return record["prompt"]
+            return record["prompt"], True
     raise ValueError(
         f"{path}:{lineno}: expected a JSON object with a non-empty 'turns' list of strings "
         f"(or a 'prompt' string), got {str(record)[:120]}"
@@ -124,8 +144,12 @@ def load_prompts(path: str | Path, limit: int | None = None, style: str = "auto"
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{p}:{lineno}: invalid JSON: {e}") from None
-            text = _first_turn(record, p, lineno)
-            out.append(Prompt(name, len(out), text, format_prompt(text, name, style)))
+            text, plain = _first_turn(record, p, lineno)
+            if plain and not text.strip():
+                raise ValueError(f"{p}:{lineno}: the prompt is empty")
+            # A plain "prompt" string is rendered only when a style is asked for by name.
+            formatted = text if plain and style == "auto" else format_prompt(text, name, style)
+            out.append(Prompt(name, len(out), text, formatted))
             if limit is not None and len(out) >= limit:
                 break
     if not out:
@@ -148,5 +172,6 @@ __all__ = [
     "extract_code_block",
     "format_prompt",
     "load_prompts",
+    "reads_as_code",
     "split_prompts",
 ]
