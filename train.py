@@ -23,9 +23,27 @@ import argparse
 import json
 import sys
 
+CONFIG_HELP = """configuration:
+  --config FILE          the Python config file (required), e.g. configs/drafter_tiny.py;
+                         it defines get_config() returning the run's settings
+  --config.KEY.SUB=VALUE override one setting of that config, e.g.
+                           --config.train.steps=100 --config.target.dir=models/my-qwen3
+                           --config.data.data_dir=data/my_distill
+                         (repeatable; --config.KEY VALUE works too; a value is read as
+                         the type of the setting it replaces: true/false, an integer, a
+                         number, a Python list; an unknown key is an error naming it)
+  configs/ holds the bundled ones (drafter_tiny.py: a small drafter for a quick run).
+"""
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        description=__doc__.split("\n\n")[0],
+        usage="train.py --config FILE [--config.KEY=VALUE ...] [--workdir DIR] [options]",
+        epilog=CONFIG_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--workdir", help="checkpoints, metrics and configs (required to train)")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     g = parser.add_argument_group("multi-process (multi-host) training")

@@ -159,6 +159,19 @@ def test_unknown_config_key(corpus, capsys):
     assert "Unknown config key 'data.seqlen'" in capsys.readouterr().err
 
 
+def test_help_lists_config_and_the_override_syntax(capsys):
+    sys.path.insert(0, REPO)
+    import train as train_cli
+
+    with pytest.raises(SystemExit) as e:
+        train_cli.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--config FILE" in out and "--config.KEY.SUB=VALUE" in out
+    assert "--config.target.dir=" in out and "--config.data.data_dir=" in out
+    assert "--drafter" not in out  # train.py has no such flag
+
+
 def test_seq_len_above_max_positions(corpus, tmp_path):
     cfg = _cfg(corpus, data__seq_len=512)  # tiny preset: 256 positions
     with pytest.raises(ValueError, match="seq_len = 512 exceeds .* max_position_embeddings = 256"):
