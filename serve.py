@@ -15,6 +15,7 @@ in-flight requests, then exits (status 0 after a SIGTERM drain). Bad arguments p
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import re
@@ -25,6 +26,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TARGET = os.path.join(HERE, "assets", "target")
 DEFAULT_DRAFTER = os.path.join(HERE, "assets", "drafters", "dspark")
 HUMANEVAL = os.path.join(HERE, "..", "shared", "eval_datasets", "humaneval.jsonl")
+# Spelled out here so --help imports no jax (tests/test_serve_cli.py checks they agree with
+# dspark_jax.serve.server).
+API_KEY_ENV = "DSPARK_API_KEY"
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_REQUEST_TOKENS = 65536
+# --max-len default: the share of free device memory the KV caches may take, and the cap
+# on a CPU (where a long cache makes every round slow, not only big).
+KV_MEMORY_FRACTION = 0.5
+CPU_MAX_LEN = 2048
 FALLBACK_PROMPTS = [
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "import os\n\n\ndef list_python_files(root):\n",
@@ -53,7 +63,15 @@ def parse_args(argv=None):
         default=None,
         help="decode slots (max concurrent requests); default 8, and 1 for --demo",
     )
-    p.add_argument("--max-len", type=int, default=512, help="cache positions per request")
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="cache positions per request (prompt + completion; the context length). "
+        "Default: the target's max_position_embeddings, capped so every slot's KV cache "
+        f"fits in {int(100 * KV_MEMORY_FRACTION)}%% of the device memory left after the "
+        f"weights (and at {CPU_MAX_LEN} on a CPU); start-up says the value chosen and why",
+    )
     p.add_argument("--max-queue", type=int, default=256, help="admission queue bound (429)")
     p.add_argument("--page-size", type=int, default=16, help="KV cache positions per page")
     p.add_argument(
@@ -89,8 +107,35 @@ def parse_args(argv=None):
         default=20,
         help="most logprobs alternatives a request may ask for (0: each token's own only)",
     )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="weights and compute dtype of target and drafter (default: float32, as the "
+        "loaders read them)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer <key>' on every /v1/* route (401 otherwise; "
+        f"/health and /metrics stay open). Default: ${API_KEY_ENV} if set, else no key",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    p.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_TOKENS,
+        help="most tokens one request may ask to generate, n x max_tokens (over every "
+        f"prompt of a list); more is a 400 naming the bound (default "
+        f"{DEFAULT_MAX_REQUEST_TOKENS})",
+    )
     p.add_argument("--model-name", default=None, help="name reported by /v1/models")
     p.add_argument(
         "--sps-cache",
@@ -120,9 +165,17 @@ def parse_args(argv=None):
         args.slots = 1 if args.demo else 8
     if args.seeded_verification is None:
         args.seeded_verification = "standard" if args.demo else "coupled"
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    if args.api_key is not None and not args.api_key.strip():
+        p.error("--api-key is empty")
+    if not 0 < args.port < 65536:
+        p.error(f"--port must be in [1, 65535], got {args.port}")
     checks = (
         ("slots", 1),
         ("max_len", 4),
+        ("max_body_bytes", 1),
+        ("max_request_tokens", 1),
         ("max_queue", 1),
         ("prefill_batch", 1),
         ("max_logprobs", 0),
@@ -130,7 +183,7 @@ def parse_args(argv=None):
         ("demo_tokens", 1),
     )
     for flag, low in checks:
-        if getattr(args, flag) < low:
+        if getattr(args, flag) is not None and getattr(args, flag) < low:
             p.error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}")
     return args
 
@@ -144,12 +197,10 @@ def _check_paths(args) -> str | None:
             f"--target {args.target}: no such directory. Pass a Hugging Face Qwen3 directory "
             f"(config.json, model.safetensors, tokenizer.json){bundled}."
         )
-    if os.path.isfile(os.path.join(args.target, "drafter_config.json")):
-        raise ValueError(
-            f"--target {args.target} looks like a drafter directory (it has "
-            "drafter_config.json): pass it as --drafter, and a Hugging Face Qwen3 directory "
-            f"as --target (default {DEFAULT_TARGET})"
-        )
+    from dspark_jax.models.drafter_io import drafter_dir_error, is_drafter_dir
+
+    if is_drafter_dir(args.target):
+        raise drafter_dir_error(args.target)
     if args.drafter in (None, "", "none"):
         return None
     if not os.path.isdir(args.drafter):
@@ -167,7 +218,10 @@ def build_engine(args, drafter_dir, scheduler, models=None):
     from dspark_jax.sched.sps import default_cache_path
     from dspark_jax.serve.engine import Engine, EngineConfig, load_models
 
-    target, tp, tok, drafter, dp, sts = models or load_models(args.target, drafter_dir)
+    models = models or load_models(args.target, drafter_dir, dtype=getattr(args, "dtype", None))
+    if args.max_len is None:
+        choose_max_len(args, models)
+    target, tp, tok, drafter, dp, sts = models
     if drafter is None:
         scheduler = "none"
     elif scheduler == "none":
@@ -259,7 +313,7 @@ def demo_explanations(rows: dict, sps) -> list[str]:
 
 def demo(args) -> int:
     from dspark_jax.eval.metrics import ends_in_loop
-    from dspark_jax.serve.engine import SamplingParams, load_models
+    from dspark_jax.serve.engine import SamplingParams
 
     drafter_dir = _check_paths(args)
     use_compile_cache(args)
@@ -277,7 +331,7 @@ def demo(args) -> int:
         f"({args.slots} slot), target {args.target}, drafter {drafter_dir}",
         file=sys.stderr,
     )
-    models = load_models(args.target, drafter_dir)
+    models = load_for_serving(args, drafter_dir)
     # Greedy shows losslessness (identical outputs); T = 1 is the regime the drafters were
     # trained for.
     temps = (0.0, 1.0)
@@ -351,26 +405,160 @@ def use_compile_cache(args) -> None:
     print(f"compilation cache: {path} (--no-compile-cache to disable)", file=sys.stderr)
 
 
+def bind_port(host: str, port: int):
+    """A socket bound to ``host:port`` for the server, before anything slow happens; a
+    port in use (or a host this machine does not have) is a user error naming it."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        hint = " (another process is listening there; pass another --port)"
+        raise ValueError(
+            f"cannot listen on {host}:{port}: {e.strerror or e}"
+            f"{hint if e.errno == errno.EADDRINUSE else ''}"
+        ) from None
+    return sock
+
+
+def kv_bytes_per_position(target_config, drafter=None) -> int:
+    """Bytes of KV cache one cache position of one slot takes: the target's layers (K
+    and V) plus, with a drafter, as many again per drafter layer (an upper bound)."""
+    import numpy as np
+
+    layers = target_config.num_hidden_layers
+    if drafter is not None:
+        layers += int(getattr(drafter.config, "num_layers", 0) or 0)
+    width = target_config.num_key_value_heads * target_config.head_dim
+    return 2 * layers * width * np.dtype(target_config.compute_dtype).itemsize
+
+
+def default_max_len(
+    model_max: int,
+    slots: int,
+    per_position: int,
+    free_bytes: int | None,
+    platform: str,
+    page_size: int = 16,
+) -> tuple[int, str]:
+    """``(max_len, why)``: the target's ``max_position_embeddings``, lowered so every
+    slot's KV cache fits in ``KV_MEMORY_FRACTION`` of ``free_bytes`` (the device memory
+    left after the weights; None: unknown) and capped at ``CPU_MAX_LEN`` on a CPU."""
+    value, why = model_max, f"the target's max_position_embeddings ({model_max})"
+    if free_bytes is not None:
+        fits = int(free_bytes * KV_MEMORY_FRACTION) // max(1, slots * per_position)
+        fits -= fits % page_size
+        if fits < value:
+            value = max(fits, 4)
+            why = (
+                f"the target allows {model_max}, but {slots} slots' KV caches at more would "
+                f"take over {int(100 * KV_MEMORY_FRACTION)}% of the "
+                f"{free_bytes / 2**30:.1f} GiB free on the device"
+            )
+    if platform == "cpu" and value > CPU_MAX_LEN:
+        why = (
+            f"the target allows {model_max}; capped at {CPU_MAX_LEN} on a CPU, where every "
+            "round reads the whole cache"
+        )
+        value = CPU_MAX_LEN
+    return value, why
+
+
+def free_device_memory() -> tuple[int | None, str]:
+    """``(bytes free on the first device or None when it does not say, its platform)``."""
+    import jax
+
+    dev = jax.devices()[0]
+    try:
+        stats = dev.memory_stats() or {}
+    except Exception:  # some backends do not implement it
+        stats = {}
+    limit = stats.get("bytes_limit")
+    free = None if limit is None else max(0, int(limit) - int(stats.get("bytes_in_use", 0)))
+    return free, dev.platform
+
+
+def choose_max_len(args, models) -> None:
+    """Set ``args.max_len`` when not given, and say the value and why on stderr."""
+    target, _, _, drafter, _, _ = models
+    if args.max_len is not None:
+        print(f"context length: {args.max_len} positions (--max-len)", file=sys.stderr)
+        return
+    free, platform = free_device_memory()
+    per_position = kv_bytes_per_position(target.config, drafter)
+    args.max_len, why = default_max_len(
+        target.config.max_position_embeddings,
+        args.slots,
+        per_position,
+        free,
+        platform,
+        args.page_size,
+    )
+    print(
+        f"context length: {args.max_len} positions per request, {why}; --max-len to change",
+        file=sys.stderr,
+    )
+
+
+def load_for_serving(args, drafter_dir):
+    """The models (``engine.load_models`` order), saying what is loaded and how long it
+    took, and the context length chosen."""
+    from dspark_jax.serve.engine import load_models
+
+    what = f"target {args.target}" + (f", drafter {drafter_dir}" if drafter_dir else "")
+    dtype = args.dtype or "float32"
+    say(f"loading {what} ({dtype})")
+    t0 = time.perf_counter()
+    models = load_models(args.target, drafter_dir, dtype=args.dtype)
+    say(f"loaded in {time.perf_counter() - t0:.1f}s")
+    choose_max_len(args, models)
+    return models
+
+
+def say(message: str) -> None:
+    """A start-up line on stderr, flushed at once."""
+    print(f"serve.py: {message}", file=sys.stderr, flush=True)
+
+
 def serve(args) -> int:
     from dspark_jax.serve.chat import load_chat_template
-    from dspark_jax.serve.server import create_app, make_server
+    from dspark_jax.serve.server import ServerLimits, create_app, make_server
 
+    say("starting: checking the arguments and the port, then loading the models")
     drafter_dir = _check_paths(args)
+    limits = ServerLimits(args.api_key, args.max_body_bytes, args.max_request_tokens)
+    sock = bind_port(args.host, args.port)  # before anything slow: a busy port fails now
     use_compile_cache(args)
-    engine = build_engine(args, drafter_dir, args.scheduler)
+    models = load_for_serving(args, drafter_dir)
+    engine = build_engine(args, drafter_dir, args.scheduler, models)
     template = load_chat_template(args.target)
-    app = create_app(engine, chat_template=template)
+    app = create_app(engine, chat_template=template, limits=limits)
     server = make_server(app, args.host, args.port)
+    sps = ""
+    if engine.scheduler in ("topk", "prefix"):
+        sps = (
+            f"profiling SPS (rounds per second) at {len(engine.verify_buckets)} verify sizes, "
+            f"or reading it from {engine.config.sps_cache}, then "
+        )
+    key = "API key required on /v1/*" if limits.api_key else "no API key (--api-key)"
     print(
-        f"serving {engine.config.model_name} on http://{args.host}:{args.port}: warming up "
-        f"first (compiling {len(engine.prompt_buckets) * len(engine.prefill_rows)} prefill and "
+        f"serving {engine.config.model_name} on http://{args.host}:{args.port} ({key}): "
+        f"warming up first ({sps}compiling "
+        f"{len(engine.prompt_buckets) * len(engine.prefill_rows)} prefill and "
         f"{len(engine.verify_buckets)} verify shapes); /health answers 503 'starting' until "
         "ready",
         file=sys.stderr,
         flush=True,
     )
     engine.start(background=True)
-    server.run()
+    server.run(sockets=[sock])
     return 1 if engine.failure else 0
 
 

@@ -44,7 +44,8 @@ def test_missing_drafter_dir_is_named(capsys):
 def test_drafter_dir_given_as_target_is_recognised(capsys):
     rc, err = _run(["--target", BUNDLED_DRAFTER], capsys)
     assert rc == 2
-    assert "looks like a drafter directory" in err and "pass it as --drafter" in err
+    assert f"--target {BUNDLED_DRAFTER} is a drafter directory" in err
+    assert "pass it as --drafter" in err
 
 
 def test_target_dir_given_as_drafter_is_recognised(capsys):
@@ -87,8 +88,10 @@ def test_demo_prompts_file_is_rendered_like_eval(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "flag", ["--slots", "--max-queue", "--prefill-batch", "--demo-prompts", "--demo-tokens"]
-)
+    "flag",
+    ["--slots", "--max-queue", "--prefill-batch", "--demo-prompts", "--demo-tokens",
+     "--max-body-bytes", "--max-request-tokens"],
+)  # fmt: skip
 def test_non_positive_sizes_are_named(flag, capsys):
     with pytest.raises(SystemExit):
         serve.parse_args([flag, "0"])
@@ -178,3 +181,72 @@ def test_demo_explains_only_what_its_measurement_shows():
     sps = SPSTable.from_seconds({2: 0.01, 8: 0.02})
     (line,) = serve.demo_explanations(rows, sps)
     assert line.startswith("on this machine a round verifying 8 tokens costs 2.0x one verifying 2")
+
+
+def test_busy_port_is_one_error_line(capsys):
+    """A port another process listens on: ``error: ...`` and status 2 before any model
+    is loaded (it used to abort with status 134 after compiling)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc, err = _run(["--drafter", "none", "--port", str(port)], capsys)
+    assert rc == 2
+    assert f"error: cannot listen on 127.0.0.1:{port}" in err and "--port" in err
+    assert "loading target" not in err
+
+
+def test_access_defaults_agree_with_the_server(monkeypatch):
+    from dspark_jax.serve import server
+
+    assert serve.API_KEY_ENV == server.API_KEY_ENV
+    assert serve.DEFAULT_MAX_BODY_BYTES == server.DEFAULT_MAX_BODY_BYTES
+    assert serve.DEFAULT_MAX_REQUEST_TOKENS == server.DEFAULT_MAX_REQUEST_TOKENS
+    monkeypatch.delenv(serve.API_KEY_ENV, raising=False)
+    assert serve.parse_args([]).api_key is None
+    monkeypatch.setenv(serve.API_KEY_ENV, "from-env")
+    assert serve.parse_args([]).api_key == "from-env"
+    assert serve.parse_args(["--api-key", "flag"]).api_key == "flag"
+    assert serve.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+
+
+def test_context_length_defaults_to_the_models():
+    """--max-len unset: the target's max_position_embeddings, lowered to what memory
+    allows (every slot's KV cache in half the free memory), capped on a CPU; the reason
+    is said."""
+    assert serve.parse_args([]).max_len is None
+    mib = 2**20
+    value, why = serve.default_max_len(1024, 8, 1024, None, "cpu")
+    assert value == 1024 and "max_position_embeddings (1024)" in why
+    value, why = serve.default_max_len(40960, 8, 1024, None, "cpu")
+    assert value == serve.CPU_MAX_LEN and "on a CPU" in why
+    # 64 MiB free, 8 slots x 1 KiB per position: 32 MiB / 8 KiB = 4096 positions.
+    value, why = serve.default_max_len(40960, 8, 1024, 64 * mib, "gpu")
+    assert value == 4096 and "allows 40960" in why and "0.1 GiB free" in why
+    assert serve.default_max_len(2048, 8, 1024, 64 * mib, "gpu")[0] == 2048
+
+
+def test_help_says_the_context_default_and_access_flags(capsys):
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Default: the target's max_position_embeddings" in out
+    for flag in ("--api-key", "DSPARK_API_KEY", "--max-body-bytes", "--max-request-tokens",
+                 "--dtype"):  # fmt: skip
+        assert flag in out
+
+
+def test_dtype_sets_weights_and_compute_of_both_models():
+    import jax
+
+    from dspark_jax.serve.engine import load_models
+
+    target, tp, _, drafter, dp, _ = load_models(BUNDLED_TARGET, BUNDLED_DRAFTER, dtype="bfloat16")
+    assert target.config.dtype == target.config.param_dtype == "bfloat16"
+    assert {str(x.dtype) for x in jax.tree.leaves(tp)} == {"bfloat16"}
+    assert {str(x.dtype) for x in jax.tree.leaves(dp)} == {"bfloat16"}
+    target, tp, *_ = load_models(BUNDLED_TARGET, None)  # default: as the loader reads it
+    assert target.config.dtype == "float32"
+    assert {str(x.dtype) for x in jax.tree.leaves(tp)} == {"float32"}
