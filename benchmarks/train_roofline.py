@@ -36,6 +36,9 @@ CASES = {
     "4b_v5p64": ("drafter_dspark_qwen3_4b.py", "qwen3-4b", "v5p:4x4x4", "1,64,1", {}),
     "8b_v5p64": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:4x4x4", "1,64,1", {}),
     "14b_v5p64": ("drafter_dspark_qwen3_14b.py", "qwen3-14b", "v5p:4x4x4", "1,64,1", {}),
+    # The same 64 chips as data 2 x fsdp 32: XLA:TPU writes the 64-way weight all-gathers of
+    # fsdp 64 as all-reduces (twice the ring bytes); 32-way ones stay all-gathers.
+    "8b_v5p64_d2": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:4x4x4", "2,32,1", {}),
     "8b_v5e64": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5e:8x8", "1,64,1", {}),
     # One sequence per chip as on the 64-chip slice, on a 4-chip slice (compiles faster).
     "8b_v5p4": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:2x2x1", "1,4,1",
@@ -55,6 +58,7 @@ def load_case(name: str):
     cfg = load_config(os.path.join(ROOT, "configs", config))
     cfg.target.preset = preset
     cfg.target.dir = ""
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = (int(x) for x in mesh.split(","))
     for key, value in overrides.items():
         section, field = key.split(".")
         cfg[section][field] = value

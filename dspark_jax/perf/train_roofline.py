@@ -173,9 +173,10 @@ def useful_flops(parts: dict[str, float], shape: StepShape, target, drafter) -> 
 # ----------------------------------------------------------------------------------------
 _COLLECTIVE = re.compile(
     r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.+?)\s+"
-    r"(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
+    r"(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\((.*)$",
     re.M,
 )
+_ARRAY_TYPE = re.compile(r"\b[a-z]\w*\[[\d,]*\]")
 _MESH_GROUP = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _IOTA_GROUP = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 _LIST_GROUP = re.compile(r"replica_groups=\{\{([\d,]*)\}")
@@ -217,33 +218,48 @@ def collective_bytes(hlo_text: str, num_devices: int, top: int = 8) -> dict[str,
     by_kind: Counter = Counter()
     count: Counter = Counter()
     by_scope: Counter = Counter()
+    by_dtype: Counter = Counter()
+    gathers_as_all_reduce = 0.0
     largest = []
     for m in _COLLECTIVE.finditer(hlo_text):
-        type_text, kind = m.groups()
-        line_end = hlo_text.find("\n", m.end())
-        line = hlo_text[m.start() : line_end if line_end >= 0 else len(hlo_text)]
-        out = _shape_bytes(type_text)
-        if kind != "reduce-scatter" and type_text.startswith("("):
-            # async starts return (operand, result, ...): the last array is the result.
-            parts = re.findall(r"\b[a-z]\w*\[[\d,]*\]", type_text)
-            out = _shape_bytes(parts[1]) if len(parts) >= 2 else out
-        b = _ici_bytes(kind, out, _group_size(line, num_devices))
+        type_text, kind, start, rest = m.groups()
+        arrays = _ARRAY_TYPE.findall(type_text)
+        if start:  # an async start returns (operands..., results...): the results count
+            arrays = arrays[len(arrays) // 2 :]
+        # A combined (variadic) collective returns one array per operand: all of them count.
+        out = sum(_shape_bytes(a) for a in arrays)
+        b = _ici_bytes(kind, out, _group_size(rest, num_devices))
         if not b:
             continue
         by_kind[kind] += b
         count[kind] += 1
-        name = _OP_NAME.search(line)
-        scope = _scope(name.group(1)) if name else "(unnamed)"
+        for a in arrays:
+            by_dtype[a.split("[")[0]] += b * _shape_bytes(a) / out
+        name = _OP_NAME.search(rest)
+        operands = rest.split(")", 1)[0]
+        if kind == "all-reduce" and "dynamic-update-slice" in operands:
+            # XLA:TPU's all-gather written as an all-reduce of each chip's shard placed in
+            # zeros (dynamic-update-slice): twice an all-gather's ring bytes.
+            gathers_as_all_reduce += b
+        scope = _scope(name.group(1)) if name else _operand_scope(operands)
         by_scope[scope] += b
-        largest.append((b, kind, name.group(1) if name else ""))
+        largest.append((b, kind, name.group(1) if name else operands[:120]))
     largest.sort(key=lambda x: -x[0])
     return {
         "total": float(sum(by_kind.values())),
         "by_kind": {k: float(v) for k, v in by_kind.most_common()},
         "count": dict(count),
+        "by_dtype": {k: float(v) for k, v in by_dtype.most_common()},
+        "gathers_as_all_reduce": gathers_as_all_reduce,
         "by_scope": {k: float(v) for k, v in by_scope.most_common(top)},
         "largest": [{"bytes": b, "kind": k, "op_name": n} for b, k, n in largest[:top]],
     }
+
+
+def _operand_scope(operands: str) -> str:
+    """A name for a collective without a JAX name: the kinds of its operands."""
+    kinds = sorted({re.sub(r"[.\d]+$", "", o) for o in re.findall(r"%([\w.\-]+)", operands)})
+    return "(unnamed: " + ", ".join(kinds[:4]) + ")"
 
 
 def _scope(op_name: str, depth: int = 5) -> str:
