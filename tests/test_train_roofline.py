@@ -96,11 +96,13 @@ def test_cost_table_from_a_case():
     assert rep.cache_bytes_per_token(2560) == 30726
     assert rep.tokens_per_epoch() == pytest.approx(38e12 / 30726)
     case = {
-        "chips": 64, "shape": {"batch": 64, "anchors": 32},
-        "per_chip": {"flops": 80e12, "bytes": 100e9, "collective_bytes": 20e9,
+        "chips": 64, "mesh": {"data": 1, "fsdp": 64, "tensor": 1}, "mfu": 0.6,
+        "preset": "qwen3-8b", "frozen_params": 8.19e9,
+        "shape": {"batch": 64, "seq_len": 4096, "anchors": 32, "gamma": 7, "pack": 1},
+        "per_chip": {"flops": 80e12, "bytes": 100e9, "collective_bytes": 40e9,
                      "hand_flops": 78e12},
-        "hand_count": {"target_layers": 60e12, "target_attention": 5e12},
-        "collectives": {"by_scope": {"Qwen3.hidden_states/layers_0": 15e9}},
+        "hand_count": {"target_layers": 60e12, "target_attention": 5e12, "total": 78e12},
+        "collectives": {"gathers_as_all_reduce": 30e9},
     }  # fmt: skip
     table = rep.cost_table({"8b_v5p64": case})
     rows = {(r["size"], r["chip"]): r for r in table["costs"]}
@@ -109,7 +111,12 @@ def test_cost_table_from_a_case():
     assert r["cache_compute_chip_hours"] < r["online_chip_hours"]
     assert rows[("8b", "v5e")]["online_chip_hours"] > r["online_chip_hours"]
     assert rows[("4b", "v5p")]["cache_tb"] == pytest.approx(38.0)
-    assert rows[("4b", "v5p")]["note"]  # scaled from the 8B case: said so
+    assert "8B's efficiency" in rows[("4b", "v5p")]["note"]  # scaled from the 8B case: said so
+    # The cache leaves out the target's weight gathers: 2 x (8.19e9 - 2 x 151936 x 4096)
+    # parameters' bf16 bytes x 63/64 (gathers written as all-reduces: twice the ring bytes).
+    assert rep.target_gather_bytes(case) == pytest.approx(
+        2 * (8.19e9 - 2 * 151936 * 4096) * 2 * 63 / 64
+    )
 
 
 @pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed (pip install -e '.[tpu]')")

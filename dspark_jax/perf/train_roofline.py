@@ -402,6 +402,9 @@ def analyse(
     t_coll = coll["total"] / (ici * 1e9)
     t_step = max(t_flops, t_bytes) + t_coll
     mfu = useful / chips / (chip.bf16_tflops * 1e12 * t_step)
+    # Were the gathers written as all-reduces real all-gathers: half their ring bytes.
+    t_coll_ag = (coll["total"] - coll["gathers_as_all_reduce"] / 2) / (ici * 1e9)
+    t_step_ag = max(t_flops, t_bytes) + t_coll_ag
     largest = largest_instructions(hlo, top=10)
     hbm_total = _hbm_total(hlo) + kernel["bytes"]
     return {
@@ -428,7 +431,16 @@ def analyse(
         },
         "hand_count": {k: v / chips for k, v in hand.items()},
         "flops_vs_hand": flops / (hand["total"] / chips),
-        "seconds": {"flops": t_flops, "bytes": t_bytes, "collectives": t_coll, "step": t_step},
+        "seconds": {
+            "flops": t_flops,
+            "bytes": t_bytes,
+            "collectives": t_coll,
+            "step": t_step,
+            "collectives_gathers_as_all_gather": t_coll_ag,
+            "step_gathers_as_all_gather": t_step_ag,
+        },
+        "mfu_gathers_as_all_gather": useful / chips / (chip.bf16_tflops * 1e12 * t_step_ag),
+        "unnamed_hbm_bytes_by_opcode": unnamed_by_opcode(hlo),
         "bound": "compute" if t_flops >= t_bytes else "memory",
         "mfu": mfu,
         "collectives": coll,
@@ -438,6 +450,23 @@ def analyse(
         "memory": report.get("memory"),
         "compile_s": report.get("compile_s"),
     }
+
+
+def unnamed_by_opcode(hlo_text: str, top: int = 8) -> dict[str, float]:
+    """HBM bytes of the executed instructions that carry no JAX name (XLA's own: the
+    collectives' buffers, zero-filled broadcasts, prefetch copies), summed by opcode."""
+    from dspark_jax.perf import hlo_bytes as hb
+
+    comps = hb.parse_hlo(hlo_text)
+    out: Counter = Counter()
+    for comp in hb._executed(comps):
+        for instr in comp.instrs:
+            if 'op_name="' in instr.line:
+                continue
+            b = hb.instruction_bytes(comps, comp, instr, True)
+            if b:
+                out[instr.opcode] += b
+    return {k: float(v) for k, v in out.most_common(top)}
 
 
 def _key_chunk() -> int:
@@ -474,6 +503,7 @@ __all__ = [
     "train_flops_hand_count",
     "train_roofline",
     "analyse",
+    "unnamed_by_opcode",
     "unrolled_scans",
     "useful_flops",
 ]
