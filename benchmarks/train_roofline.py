@@ -39,6 +39,11 @@ CASES = {
     # The same 64 chips as data 2 x fsdp 32: XLA:TPU writes the 64-way weight all-gathers of
     # fsdp 64 as all-reduces (twice the ring bytes); 32-way ones stay all-gathers.
     "8b_v5p64_d2": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:4x4x4", "2,32,1", {}),
+    # DeepSpec's 512 anchors per sequence (fits v5p without remat: aot_memory_v5p.md).
+    "8b_v5p64_a512": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:4x4x4", "1,64,1",
+                      {"drafter.anchors_per_seq": 512}),
+    "8b_v5p64_d2_a512": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:4x4x4", "2,32,1",
+                         {"drafter.anchors_per_seq": 512}),
     "8b_v5e64": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5e:8x8", "1,64,1", {}),
     # One sequence per chip as on the 64-chip slice, on a 4-chip slice (compiles faster).
     "8b_v5p4": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:2x2x1", "1,4,1",

@@ -93,12 +93,15 @@ def target_gather_bytes(case: dict[str, Any]) -> float:
 
 
 def reference_case(cases: dict[str, Any], size: str) -> tuple[str | None, dict | None]:
-    """The compiled 64-chip v5p case of ``size`` with the highest modelled MFU."""
+    """The compiled 64-chip v5p case of ``size`` to scale: one at the recipe's anchors if
+    there is one, else the one with the highest modelled MFU."""
     own = {k: c for k, c in cases.items() if k.startswith(f"{size}_v5p64")}
     if not own:
         return None, None
-    key = max(own, key=lambda k: own[k]["mfu"])
-    return key, own[key]
+    at_recipe = {k: c for k, c in own.items() if c["shape"]["anchors"] == RECIPE["anchors"]}
+    pool = at_recipe or own
+    key = max(pool, key=lambda k: pool[k]["mfu"])
+    return key, pool[key]
 
 
 def cost_table(cases: dict[str, Any]) -> dict[str, Any]:
@@ -346,9 +349,10 @@ def to_markdown(res: dict[str, Any]) -> str:
             f"{rec['chips_per_host']} chips, prefetched (step = max(compute, read)); the "
             "target's forward and its weight all-gathers are left out of the step.",
             "",
-            "Each size's modelled step is its compiled 32-anchor case's per-chip flops, "
-            "bytes and ICI bytes, plus the hand count's extra work for 512 anchors at the "
-            "same flops/bytes mix, timed on the chip's peak, HBM and ICI figures; v5e is the "
+            "Each size's modelled step is the compiled 64-chip v5p case named in the note "
+            "(per-chip flops, bytes and ICI bytes), plus, where that case has fewer anchors "
+            "than the recipe, the hand count's extra work for 512 anchors at the case's "
+            "flops/bytes mix, timed on the chip's peak, HBM and ICI figures; v5e is the "
             "v5p program re-rated (same per-chip work; 512 anchors need `drafter.remat` = "
             "full to fit v5e's 16 GB, `benchmarks/results/aot_memory_v5p.md`).",
             "",
