@@ -491,3 +491,42 @@ def test_a_kernel_backend_that_does_not_compile_names_itself_and_the_fallback(se
     assert "attention backend 'pallas_gpu'" in text and "--attention xla" in text
     assert "broadcasted variable has a data dependency" in text
     assert isinstance(err.value.__cause__, ValueError)
+
+
+def test_warmup_compiles_in_two_threads_and_reuses_the_sps_profile(setup, tmp_path, caplog):
+    """Start-up: prefill shapes compile on a second thread while the verify rounds compile
+    (nothing compiles after warm-up either way); the SPS profile is cached under a key of
+    everything that changes a round's time, so a restart with the same shapes reads it and
+    a different page size does not."""
+    import json
+    import logging
+
+    tok, target, tp, _ = setup
+    _, _, drafter, dp = tiny_random_models(tok, "dspark", gamma=3, max_len=MAX_LEN)
+    cache = tmp_path / "sps.json"
+
+    def config(**kw):
+        return EngineConfig(
+            num_slots=SLOTS, max_len=MAX_LEN, scheduler="topk", verify_buckets=(6,),
+            sps_repeats=1, sps_cache=str(cache), **kw,
+        )  # fmt: skip
+
+    profiled = []
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="dspark_jax.serve.engine"):
+            engine = Engine(target, tp, tok, drafter, dp, config()).start()
+        try:
+            assert engine.compilations_after_warmup == 0
+            assert engine.shapes._overlapped == ((os.cpu_count() or 1) >= 2)
+            assert engine.generate("def add", SamplingParams(max_tokens=4)).completion_tokens
+            assert engine.compilations_after_warmup == 0
+        finally:
+            engine.shutdown(drain=False, timeout=30)
+        profiled.append(any("profiling SPS" in r.getMessage() for r in caplog.records))
+    assert profiled == [True, False]  # the restart read the cached profile
+    (key,) = json.loads(cache.read_text())
+    assert "shapes=" in key and f"R={SLOTS}" in key
+    same = Engine(target, tp, tok, drafter, dp, config())
+    other = Engine(target, tp, tok, drafter, dp, config(page_size=8))
+    assert same.shapes.sps_cache_key() == key != other.shapes.sps_cache_key()
