@@ -231,9 +231,11 @@ def _goals(cases: dict[str, Any]) -> list[str]:
             f"({coll['gathers_as_all_reduce'] / 1e9:.1f} of {coll['total'] / 1e9:.1f} GB per "
             "chip) and adds the zero-filled broadcasts and all-reduce buffers to HBM "
             "traffic. Splitting the same 64 chips as data 2 × fsdp 32 (`--config.mesh.data=2 "
-            "--config.mesh.fsdp=32`: each weight and optimizer shard is held twice, +"
-            f"{(d2['memory']['peak_bytes'] - c['memory']['peak_bytes']) / 1e9:.2f} GB peak per "
-            "chip) keeps them all-gathers:",
+            "--config.mesh.fsdp=32`: each weight and optimizer shard is held on two chips; "
+            f"XLA:TPU's peak per chip goes from {c['memory']['peak_bytes'] / 1e9:.2f} to "
+            f"{d2['memory']['peak_bytes'] / 1e9:.2f} GB, the zero-filled gather buffers gone) "
+            "keeps them all-gathers; the drafter's gradients are then all-reduced over the "
+            "two data rows as well:",
             "",
             "| mesh | ICI GB / chip | of which gathers as all-reduce | HBM GB / chip (est.) | "
             "step ms | MFU | peak GB / chip |",
