@@ -44,6 +44,13 @@ CASES = {
                       {"drafter.anchors_per_seq": 512}),
     "8b_v5p64_d2_a512": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:4x4x4", "2,32,1",
                          {"drafter.anchors_per_seq": 512}),
+    "4b_v5p64_d2_a512": ("drafter_dspark_qwen3_4b.py", "qwen3-4b", "v5p:4x4x4", "2,32,1",
+                         {"drafter.anchors_per_seq": 512}),
+    "14b_v5p64_d2_a512": ("drafter_dspark_qwen3_14b.py", "qwen3-14b", "v5p:4x4x4", "2,32,1",
+                          {"drafter.anchors_per_seq": 512}),
+    # v5e's 16 GB: 512 anchors need the draft layers rematerialised.
+    "8b_v5e64_d2_a512": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5e:8x8", "2,32,1",
+                         {"drafter.anchors_per_seq": 512, "drafter.remat": "full"}),
     "8b_v5e64": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5e:8x8", "1,64,1", {}),
     # One sequence per chip as on the 64-chip slice, on a 4-chip slice (compiles faster).
     "8b_v5p4": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:2x2x1", "1,4,1",

@@ -131,14 +131,23 @@ def cost_table(cases: dict[str, Any]) -> dict[str, Any]:
         extra = (h1["total"] - h0["total"]) * rows_chip
         row_bytes = cache_bytes_per_token(HIDDEN[size]) * RECIPE["seq_len"]
         for chip in ("v5p", "v5e"):
-            online = _rerated(ref, chip, extra)
-            cached = _rerated(ref, chip, extra, drop=("target_layers", "target_attention"))
+            src, src_note, src_extra = ref, note, extra
+            if chip != "v5p":
+                own_key, own = _chip_case(cases, size, chip)
+                if own is not None:  # compiled for this chip at the recipe's anchors
+                    src, src_note, src_extra = own, f"from `{own_key}`", 0.0
+                else:
+                    src_note = note + " (re-rated)"
+            rows_chip = src["shape"]["batch"] / src["chips"]
+            online = _rerated(src, chip, src_extra)
+            cached = _rerated(src, chip, src_extra, drop=("target_layers", "target_attention"))
             per_row_online = online["seconds"] / rows_chip  # chip-seconds per row
             compute_cached = cached["seconds"] / rows_chip
             io = row_bytes / (CACHE_GB_PER_S_PER_HOST * 1e9 / CHIPS_PER_HOST)
             per_row_cached = max(compute_cached, io)
             table.append({
-                "size": size, "chip": chip, "note": note,
+                "size": size, "chip": chip, "note": src_note,
+                "online_hours_on_64_chips": per_row_online * rows_total / 3600 / 64,
                 "online_chip_hours": per_row_online * rows_total / 3600,
                 "cache_chip_hours": per_row_cached * rows_total / 3600,
                 "cache_compute_chip_hours": compute_cached * rows_total / 3600,
@@ -153,6 +162,16 @@ def cost_table(cases: dict[str, Any]) -> dict[str, Any]:
                        cache_gb_per_s_per_host=CACHE_GB_PER_S_PER_HOST),
         "costs": table,
     }  # fmt: skip
+
+
+def _chip_case(cases: dict[str, Any], size: str, chip: str):
+    """A compiled 64-chip case of ``size`` on ``chip`` at the recipe's anchors, if any."""
+    own = {k: c for k, c in cases.items() if k.startswith(f"{size}_{chip}64")
+           and c["shape"]["anchors"] == RECIPE["anchors"]}  # fmt: skip
+    if not own:
+        return None, None
+    key = max(own, key=lambda k: own[k]["mfu"])
+    return key, own[key]
 
 
 def _scaled_case(ref: dict[str, Any], size: str) -> dict[str, Any]:
@@ -354,18 +373,21 @@ def to_markdown(res: dict[str, Any]) -> str:
             "Each size's modelled step is the compiled 64-chip v5p case named in the note "
             "(per-chip flops, bytes and ICI bytes), plus, where that case has fewer anchors "
             "than the recipe, the hand count's extra work for 512 anchors at the case's "
-            "flops/bytes mix, timed on the chip's peak, HBM and ICI figures; v5e is the "
-            "v5p program re-rated (same per-chip work; 512 anchors need `drafter.remat` = "
-            "full to fit v5e's 16 GB, `benchmarks/results/aot_memory_v5p.md`).",
+            "flops/bytes mix, timed on the chip's peak, HBM and ICI figures. A v5e row marked "
+            "*re-rated* is the v5p program timed on v5e's figures (same per-chip work; on v5e's "
+            "16 GB, 512 anchors need `drafter.remat` = full, whose recomputation it leaves "
+            "out); a v5e row naming a v5e case is that compiled program.",
             "",
-            "| target | chip | online chip-hours | cache chip-hours | cache compute-only "
-            "chip-hours | cache size TB | read GB/s per host to keep up | note |",
-            "|---|---|---|---|---|---|---|---|",
+            "| target | chip | online chip-hours | online hours on 64 chips | cache chip-hours "
+            "| cache compute-only chip-hours | cache size TB | read GB/s per host to keep up | "
+            "note |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in res["costs"]:
             bound = " (read-bound)" if r["cache_io_bound"] else ""
             out.append(
                 f"| Qwen3-{r['size'].upper()} | {r['chip']} | {r['online_chip_hours']:,.0f} | "
+                f"{r['online_hours_on_64_chips']:.1f} | "
                 f"{r['cache_chip_hours']:,.0f}{bound} | {r['cache_compute_chip_hours']:,.0f} | "
                 f"{r['cache_tb']:.0f} | {r['break_even_gb_per_s_per_host']:.1f} | {r['note']} |"
             )
