@@ -4,12 +4,15 @@
     python serve.py --drafter none        # no speculation
     python serve.py --scheduler prefix --slots 16 --port 8080
     python serve.py --demo                # no speculation vs DSpark, greedy and T = 1
+    python serve.py --api-key KEY         # /v1/* needs "Authorization: Bearer KEY"
+                                          # (or set DSPARK_API_KEY)
 
 Endpoints: POST /v1/completions and /v1/chat/completions (the target's chat template;
 stream=true for SSE), GET /v1/models, GET /health (503
 "starting" while the engine compiles at start-up), GET /metrics. SIGTERM/Ctrl-C drains
-in-flight requests, then exits (status 0 after a SIGTERM drain). Bad arguments print
-"error: ..." and exit with status 2.
+in-flight requests, then exits (status 0 after a SIGTERM drain). Bad arguments (a busy
+port too) print "error: ..." and exit with status 2. The context length (--max-len)
+defaults to the target's max_position_embeddings, capped by memory; start-up says which.
 """
 
 from __future__ import annotations
