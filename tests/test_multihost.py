@@ -157,6 +157,82 @@ def test_checkpoint_moves_between_topologies(corpus, runs):
     )
 
 
+_COLLECTIVE_PROGRAM = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from dspark_jax.train import distributed as dist
+if len(sys.argv) > 1:
+    dist.initialize(sys.argv[1], 2, int(sys.argv[2]))
+mesh = jax.make_mesh((8,), ("data",))
+x = jax.make_array_from_callback(
+    (8, 16), NamedSharding(mesh, P("data")), lambda i: np.ones((1, 16), np.float32)
+)
+y = jax.jit(lambda x: x + jnp.sum(x * 2.0))(x)  # an all-reduce across every process
+print("RESULT", float(np.asarray(y.addressable_data(0))[0, 0]), flush=True)
+"""
+
+
+def _run_collective_program(cache_dir: str, processes: int) -> list[str]:
+    env = dict(os.environ)
+    devices = 8 // processes
+    env["XLA_FLAGS"] = " ".join(
+        [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+        + [f"--xla_force_host_platform_device_count={devices}"]
+    )
+    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache_dir,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")  # fmt: skip
+    port = _free_port()
+    args = [[]] if processes == 1 else [[f"127.0.0.1:{port}", str(i)] for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _COLLECTIVE_PROGRAM, *a],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        for a in args
+    ]
+    outs = []
+    try:
+        for p in procs:
+            # jax's distributed runtime catches SIGTERM: a hung process needs SIGKILL.
+            outs.append(p.communicate(timeout=120))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a {processes}-process run hung with the compilation cache {cache_dir}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, (_, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i} failed:\n{err.decode()[-4000:]}"
+    return [line for out, _ in outs for line in out.decode().splitlines() if "RESULT" in line]
+
+
+def test_multiprocess_run_with_a_populated_compile_cache_finishes(tmp_path):
+    """A persistent compilation cache written by a one-process run and by an earlier
+    two-process run (both collective programs) does not hang the next two-process run.
+    On jax 0.12.1 a cached executable with cross-process collectives never completes them
+    on the CPU backend, so ``distributed.initialize`` turns the cache off for multi-process
+    CPU runs (compile_cache.unsafe_reason); without that, the third run hangs."""
+    cache = str(tmp_path / "jax_cache")
+    expected = [f"RESULT {1 + 2 * 8 * 16:.1f}"]
+    assert _run_collective_program(cache, 1) == expected
+    assert _run_collective_program(cache, 2) == expected * 2
+    assert _run_collective_program(cache, 2) == expected * 2
+
+
+def test_compile_cache_is_refused_only_for_multiprocess_cpu():
+    from dspark_jax.compile_cache import unsafe_reason
+
+    assert "hang" in unsafe_reason("cpu", 2)
+    assert unsafe_reason("cpu", 1) is None
+    assert unsafe_reason("tpu", 4) is None
+    assert unsafe_reason("gpu", 2) is None
+
+
 def test_settings_and_shard_checks():
     assert dist.resolve_settings() is None
     assert dist.resolve_settings(auto=True) == {}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -126,6 +127,13 @@ def initialize(
     # explicitly so an environment override of the default cannot silently disable it).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(initialization_timeout=initialization_timeout, **settings)
+    # Before anything compiles: a multi-process CPU run would hang on a cached executable's
+    # collectives (compile_cache's docstring says why).
+    from dspark_jax.compile_cache import disable_where_unsafe
+
+    reason = disable_where_unsafe()
+    if reason is not None:
+        logging.getLogger(__name__).warning("%s", reason)
     return True
 
 
