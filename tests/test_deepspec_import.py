@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from safetensors.numpy import save_file
 
 from dspark_jax.convert.deepspec import (
@@ -166,7 +165,10 @@ VARIANTS = {
 
 
 def reference(sd, cfg, feats, anchor, prev):
-    """Corrected draft logits [γ, V] and confidence logits [γ] (or None) given x_{k-1}."""
+    """Corrected draft logits [γ, V] and confidence logits [γ] (or None) given x_{k-1}.
+    Needs torch (the `parity` extra): only the parity test calls it; the layout, round-trip
+    and error tests run without it."""
+    torch = pytest.importorskip("torch")
     sd = {k: torch.tensor(v, dtype=torch.float64) for k, v in sd.items()}
     feats = torch.tensor(feats, dtype=torch.float64)
     eps, g, t = cfg["rms_norm_eps"], cfg["block_size"], feats.shape[0]
