@@ -216,6 +216,32 @@ def _configs(size: str):
     return target, dc.resolve(target)
 
 
+def _scaling_check(cases: dict[str, Any]) -> str:
+    """The 8B v5p row from the 32-anchor case scaled by the hand count beside the one from
+    the compiled 512-anchor case, when both are present."""
+    small = {
+        k: c
+        for k, c in cases.items()
+        if k.startswith("8b_v5p64") and c["shape"]["anchors"] != RECIPE["anchors"]
+    }
+    big = {k: c for k, c in cases.items()
+           if k.startswith("8b_v5p64") and c["shape"]["anchors"] == RECIPE["anchors"]}  # fmt: skip
+    if not small or not big:
+        return ""
+
+    def row(sub):
+        return next(r for r in cost_table(sub)["costs"] if r["size"] == "8b" and r["chip"] == "v5p")
+
+    ks = max(small, key=lambda k: small[k]["mfu"])
+    kb = max(big, key=lambda k: big[k]["mfu"])
+    a, b = row({ks: small[ks]}), row({kb: big[kb]})
+    return (
+        f"Check of the anchor scaling: `{ks}` ({small[ks]['shape']['anchors']} anchors) scaled "
+        f"to 512 by the hand count gives {a['online_chip_hours']:,.0f} online chip-hours for "
+        f"Qwen3-8B on v5p; the compiled 512-anchor `{kb}` gives {b['online_chip_hours']:,.0f}."
+    )
+
+
 def _goals(cases: dict[str, Any]) -> list[str]:
     c = cases.get("8b_v5p64")
     if c is None:
@@ -383,6 +409,10 @@ def to_markdown(res: dict[str, Any]) -> str:
             "note |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
+        check = _scaling_check(res["cases"])
+        if check:
+            at = max(i for i, line in enumerate(out) if line.startswith("| target |"))
+            out[at:at] = [check, ""]
         for r in res["costs"]:
             bound = " (read-bound)" if r["cache_io_bound"] else ""
             out.append(
