@@ -11,7 +11,7 @@ ragged lengths (0 to the whole table, one full), pages handed out in shuffled or
 float32 and bfloat16; the largest absolute error of each backend against the reference.
 Timing (bfloat16): R sequences × (γ + 1) query rows at each of ``--contexts`` positions,
 median of repeats, ``pallas_gpu`` vs ``xla``. ``pallas_gpu_ok`` in the result says whether
-the kernel ran and matched (``scripts/device_verify_cost.sh`` falls back to ``xla`` if not).
+the kernel ran and matched (``scripts/device_gpu_check.sh`` skips its pallas_gpu round if not).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ measured SPS(B) beside the roofline's modelled one):
         --modelled-chip H200 --no-feature-draft --no-anatomy \
         --out benchmarks/results/verify_cost_h200.json
 
-(``scripts/device_verify_cost.sh`` runs exactly that, after a correctness check of the
+(``scripts/device_gpu_check.sh`` runs that for each attention backend, after a check of the
 GPU attention kernel on the device.)
 
 A random-weight target (cost does not depend on the weights) and a random DSpark drafter.

@@ -17,11 +17,15 @@ def verify(results: pathlib.Path) -> list[str]:
 
 def gpu_section(results: pathlib.Path) -> list[str]:
     """The H200 lease: the Pallas GPU kernel's check and timing, and the 8B round's
-    measured cost beside the floor model (``scripts/device_verify_cost.sh``)."""
+    measured cost beside the floor model (recorded by ``scripts/device_verify_cost.sh``,
+    which ``scripts/device_gpu_check.sh`` replaced; it writes the same files)."""
     check = common.load(results / "gpu_attention_h200.json")
     if check is None:
         return []
-    command = "OUT=benchmarks/results bash scripts/device_verify_cost.sh   # on a GPU machine"
+    command = (
+        "OUT=benchmarks/results bash scripts/device_gpu_check.sh   # on a GPU machine "
+        "(recorded by its predecessor, scripts/device_verify_cost.sh)"
+    )
     out = [
         "## On an H200: the Pallas GPU verify-attention kernel",
         "",
