@@ -531,10 +531,11 @@ def say(message: str) -> None:
 
 
 def serve(args) -> int:
+    # Said before the imports below, which take seconds (JAX, FastAPI).
+    say("starting: checking the arguments and the port, then loading the models")
     from dspark_jax.serve.chat import load_chat_template
     from dspark_jax.serve.server import ServerLimits, create_app, make_server
 
-    say("starting: checking the arguments and the port, then loading the models")
     drafter_dir = _check_paths(args)
     limits = ServerLimits(args.api_key, args.max_body_bytes, args.max_request_tokens)
     sock = bind_port(args.host, args.port)  # before anything slow: a busy port fails now

@@ -7,8 +7,6 @@ The one place that knows the engine's shapes.
 from __future__ import annotations
 
 import hashlib
-import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -59,8 +57,6 @@ class ServingShapes:
         self.dummy_id = eos_id + 1
         self.prompt_buckets = self._prompt_buckets(config.max_len)
         self._baseline: int | None = None
-        self._precompiled = False
-        self._overlapped = False  # precompile compiled every shape (in two threads)
 
     # -- shapes --------------------------------------------------------------------------
     @staticmethod
@@ -139,163 +135,41 @@ class ServingShapes:
         do not change the time); ``sps.cache_key`` adds the device and the JAX version."""
         cfg, dec = self.config, self.decoder
         drafter = None if dec.drafter is None else getattr(dec.drafter, "config", None)
-        shapes = repr(
-            (dec.config, dec.attention, dec.num_pages, dec.target.config, drafter)
-        ).encode()
+        shapes = repr((dec.config, dec.attention, dec.num_pages, dec.target.config, drafter))
         return sps_lib.cache_key(
             cfg.model_name,
             self.policy.scheduler,
             f"R={cfg.num_slots}",
             f"gamma={dec.gamma}",
             f"max_len={cfg.max_len}",
-            f"shapes={hashlib.sha256(shapes).hexdigest()[:16]}",
+            f"shapes={hashlib.sha256(shapes.encode()).hexdigest()[:16]}",
         )
 
     def profile_sps(self, progress: Progress) -> sps_lib.SPSTable:
         """SPS(B), B = R + K, for every verify bucket with the decoder's own executables
-        (DESIGN §5.3); cached in ``config.sps_cache`` when given (``sps_cache_key``).
-        Every shape is compiled first (``precompile``), so the timing runs alone."""
+        (DESIGN §5.3); cached in ``config.sps_cache`` when given, under
+        ``sps_cache_key``. Doubles as compilation of the verify rounds."""
         cfg = self.config
-        self.precompile(progress)
         return self.policy.profile_sps(
             cache_path=cfg.sps_cache,
             key=self.sps_cache_key(),
             repeats=cfg.sps_repeats,
-            progress=lambda b, i, n: progress("profiling SPS", i, n, f"B = {b}"),
+            # Each point compiles its verify round, then times it (the timing is the short
+            # part); a cached profile skips this and warm-up compiles the rounds.
+            progress=lambda b, i, n: progress(
+                "profiling SPS", i, n, f"B = {b}: compiling its verify round, then timing it"
+            ),
         )
-
-    # -- compiling in two threads ----------------------------------------------------------
-    def _kv_state_bytes(self) -> int:
-        """Bytes of one decode state (the KV pools, mostly), without allocating one."""
-        shapes = jax.eval_shape(lambda: self.decoder.init_state(self.config.seed))
-        return int(
-            sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes))
-        )
-
-    def can_overlap(self) -> bool:
-        """Whether ``precompile`` may compile in two threads: the host has two cores or
-        more, and a second decode state fits (host memory on a CPU; on an accelerator,
-        three states' worth free, so the serving state still fits afterwards)."""
-        if (os.cpu_count() or 1) < 2:
-            return False
-        dev = jax.devices()[0]
-        if dev.platform == "cpu":
-            return True
-        try:
-            stats = dev.memory_stats() or {}
-        except Exception:  # not every backend reports memory
-            return False
-        if "bytes_limit" not in stats:
-            return False
-        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-        return free > 3 * self._kv_state_bytes()
-
-    def precompile(self, progress: Progress) -> None:
-        """Compile every shape once, the prefill shapes in a second thread while this one
-        compiles the verify rounds (XLA compiles each program on the thread that asks, so
-        two threads use two cores; the two phases were back to back before). Each side
-        runs on a decode state of its own. Does nothing when ``can_overlap`` is False
-        (then ``profile_sps`` and ``warmup`` compile as they go) or when done already."""
-        if self._precompiled:
-            return
-        self._precompiled = True
-        if not self.can_overlap():
-            return
-        seed = self.config.seed
-        errors: list[BaseException] = []
-        needs_table = self._needs_table()
-
-        def prefill_side():
-            try:
-                # Without an SPS profile to run, the verify side fills its slots with
-                # (1 row, the smallest bucket) prefills: that shape is its to compile.
-                skip = None if needs_table else (1, self.prompt_buckets[0])
-                self._prefill_pass(self.decoder.init_state(seed), progress, skip=skip)
-            except BaseException as e:  # re-raised on the calling thread
-                errors.append(e)
-
-        thread = threading.Thread(target=prefill_side, name="dspark-compile-prefill")
-        thread.start()
-        try:
-            self._compile_verify(progress)
-        except Exception as e:
-            self._raise_backend_error(e)
-            raise
-        finally:
-            thread.join()
-        if errors:
-            raise errors[0]
-        self._overlapped = True
-
-    def _raise_backend_error(self, e: Exception) -> None:
-        """A verify round that failed to compile with a kernel backend: raise an error
-        saying which, and what to run instead, above the library's own (seen: pallas_gpu
-        under flax 0.12.10's layer scan on jax 0.11.2). Returns for the XLA backend."""
-        backend = self.decoder.attention
-        if backend == "xla":
-            return
-        import flax
-
-        raise RuntimeError(
-            f"the verify round did not compile with attention backend {backend!r} "
-            f"(jax {jax.__version__}, flax {flax.__version__}): "
-            f"{type(e).__name__}: {e}. Start with --attention xla (StepConfig."
-            "attention='xla') to serve with the XLA reference attention."
-        ) from e
-
-    def _needs_table(self) -> bool:
-        """The scheduler reads an SPS table the decoder does not have yet."""
-        return self.policy.scheduler in ("topk", "prefix") and self.decoder.sps_table is None
-
-    def _compile_verify(self, progress: Progress) -> None:
-        """Compile every verify bucket: through the SPS profile's step functions when the
-        scheduler needs a table it does not have yet (a round refuses to run without
-        one; the table is an argument, so the executables are the same), else through
-        the round policy's warm-up."""
-        dec, n = self.decoder, len(self.policy.buckets)
-        r = self.config.num_slots
-        if self._needs_table():
-            fns = dec.profile_step_fns(self.policy.buckets)
-            for i, (b, fn) in enumerate(sorted(fns.items()), 1):
-                progress("compiling verify round", i, n, f"B = {b}")
-                jax.block_until_ready(fn())
-            return
-
-        def on_bucket(k, i, n):
-            progress("compiling verify round", i, n, f"B = {r + k}")
-
-        state = self._fill_all_slots(dec.init_state(self.config.seed))
-        state = self.policy.warmup(state, on_bucket)
-        jax.block_until_ready(state.seq_len)
-
-    def _prefill_pass(self, state, progress: Progress | None, skip=None):
-        """One prefill call per (rows, prompt bucket), in order; returns the state."""
-        n_prefill = len(self.prompt_buckets) * len(self.prefill_rows)
-        i = 0
-        for t in self.prompt_buckets:
-            ids = [1] * min(t, self.max_prompt_tokens)
-            for b in self.prefill_rows:
-                i += 1
-                if progress is not None:
-                    progress("compiling prefill", i, n_prefill, f"{b} x {t} tokens")
-                if (b, t) == skip:  # compiled on the other thread
-                    continue
-                rows = [PrefillRow(s, ids, 2, 0, 0, 1, request_key_data(0, s)) for s in range(b)]
-                state, _ = self.prefill_many(state, rows)
-        jax.block_until_ready(state.seq_len)
-        return state
 
     def warmup(self, progress: Progress) -> None:
         """Compile every (prefill rows, prompt bucket) and every verify bucket."""
-        self.precompile(progress)
         state = self.decoder.init_state(self.config.seed)
         r = self.config.num_slots
         n_prefill = len(self.prompt_buckets) * len(self.prefill_rows)
         # Twice: fresh (uncommitted) arrays and round outputs must hit the same executables.
-        # The first pass compiles (progress is reported for it, unless precompile did);
-        # the second only checks.
+        # The first pass compiles (progress is reported for it); the second only checks.
         for rep in range(2):
-            shown = rep == 0 and not self._overlapped
+            shown = rep == 0
             i = 0
             for t in self.prompt_buckets:
                 ids = [1] * min(t, self.max_prompt_tokens)
@@ -315,8 +189,20 @@ class ServingShapes:
             try:
                 state = self.policy.warmup(state, on_bucket if shown else None)
             except Exception as e:
-                self._raise_backend_error(e)
-                raise
+                backend = self.decoder.attention
+                if backend == "xla":
+                    raise
+                # A kernel backend that does not trace or compile on this jax/flax (seen:
+                # pallas_gpu under flax 0.12.10's layer scan on jax 0.11.2): say which, and
+                # what to run instead, above the library's own error.
+                import flax
+
+                raise RuntimeError(
+                    f"the verify round did not compile with attention backend {backend!r} "
+                    f"(jax {jax.__version__}, flax {flax.__version__}): "
+                    f"{type(e).__name__}: {e}. Start with --attention xla (StepConfig."
+                    "attention='xla') to serve with the XLA reference attention."
+                ) from e
             state = self.decoder.release(state, 0)
         jax.block_until_ready(state.seq_len)
         self._baseline = self.decoder.compiled_executables()
