@@ -19,6 +19,7 @@ so loading a checkpoint never needs an accelerator and sharding is left to the c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -67,6 +68,7 @@ class _Mapping:
         to_ours: Callable[[np.ndarray, Qwen3Config], np.ndarray],
         to_hf: Callable[[np.ndarray, Qwen3Config], np.ndarray],
         per_layer: bool,
+        layout: str = "same",
     ):
         self.hf_name = hf_name  # contains "{i}" when per_layer
         self.path = path
@@ -74,6 +76,7 @@ class _Mapping:
         self.to_ours = to_ours
         self.to_hf = to_hf
         self.per_layer = per_layer
+        self.layout = layout  # LayerTensor.layout, without the layer axis
 
     def names(self, cfg: Qwen3Config) -> list[str]:
         if self.per_layer:
@@ -104,6 +107,10 @@ class LayerTensor:
     hf_shape: tuple[int, ...]  # torch layout
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+    # The same change of layout by name, for reading a block of our layout straight from
+    # the file (``convert/hf_mesh.py``): "same", "transpose" ([a, b] <- [b, a]),
+    # "split_rows" ([h, hd, d] <- [h·hd, d]) or "split_cols_t" ([h, hd, d] <- [d, h·hd]).
+    layout: str = "same"
 
 
 def decoder_layer_tensors(cfg: Qwen3Config) -> list[LayerTensor]:
@@ -121,6 +128,7 @@ def decoder_layer_tensors(cfg: Qwen3Config) -> list[LayerTensor]:
             (heads * hd, d),
             lambda w, h=heads: w.reshape(h, hd, d),
             lambda k: k.reshape(-1, d),
+            "split_rows",
         )
         for proj, heads in (("q_proj", nh), ("k_proj", nkv), ("v_proj", nkv))
     ]
@@ -132,6 +140,7 @@ def decoder_layer_tensors(cfg: Qwen3Config) -> list[LayerTensor]:
             (d, nh * hd),
             lambda w: w.T.reshape(nh, hd, d),
             lambda k: k.reshape(-1, d).T,
+            "split_cols_t",
         )
     )
     for norm in ("q_norm", "k_norm"):
@@ -141,7 +150,9 @@ def decoder_layer_tensors(cfg: Qwen3Config) -> list[LayerTensor]:
     for norm in ("input_layernorm", "post_attention_layernorm"):
         out.append(LayerTensor(f"{norm}.weight", (norm, "scale"), (d,), same, same))
     for proj, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f))):
-        out.append(LayerTensor(f"mlp.{proj}.weight", ("mlp", proj, "kernel"), shape, t, t))
+        out.append(
+            LayerTensor(f"mlp.{proj}.weight", ("mlp", proj, "kernel"), shape, t, t, "transpose")
+        )
     return out
 
 
@@ -170,6 +181,7 @@ def _mappings(cfg: Qwen3Config) -> list[_Mapping]:
                 lambda w, c, f=lt.to_ours: f(w),
                 lambda k, c, f=lt.to_hf: f(k),
                 True,
+                lt.layout,
             )
         )
     if not cfg.tie_word_embeddings:
@@ -181,6 +193,7 @@ def _mappings(cfg: Qwen3Config) -> list[_Mapping]:
                 _transpose,
                 _transpose,
                 False,
+                "transpose",
             )
         )
     return out
@@ -451,14 +464,13 @@ def read_hf_config(path: str | os.PathLike) -> Qwen3Config:
     return Qwen3Config.from_hf_dict(hf)
 
 
-def load_hf(path: str | os.PathLike, dtype=None) -> tuple[Qwen3Config, Params]:
-    """Read a local Hugging Face Qwen3 directory into ``(config, params)``.
-
-    ``params`` is our plain (unboxed) tree of host numpy arrays in ``dtype`` (a name such as
-    ``"bfloat16"`` or a dtype; default: the config's ``param_dtype``, float32), ready for
-    ``Qwen3(config).apply({"params": params}, ...)`` or ``jax.device_put`` with shardings.
-    The returned config's ``param_dtype`` is set to ``dtype``.
-    """
+@contextlib.contextmanager
+def open_checked(path: str | os.PathLike, dtype=None):
+    """Open a Hugging Face Qwen3 directory for reading, every tensor's name, shape and
+    dtype checked against its ``config.json`` before any data is read. Yields
+    ``(config, read)``: the config with ``param_dtype`` set to ``dtype`` (default: the
+    config's), and ``read(name)``, the ``safetensors`` slice of tensor ``name`` (index it
+    to read part of the tensor, ``[:]`` for all of it)."""
     from safetensors import safe_open
 
     path = os.fspath(path)
@@ -473,7 +485,6 @@ def load_hf(path: str | os.PathLike, dtype=None) -> tuple[Qwen3Config, Params]:
     try:
         for file in sorted(set(located.values())):
             handles[file] = safe_open(file, framework="numpy")
-        # Validate every shape and dtype before reading any data.
         for name, file in located.items():
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
@@ -485,13 +496,33 @@ def load_hf(path: str | os.PathLike, dtype=None) -> tuple[Qwen3Config, Params]:
                     "(quantized checkpoints are not supported; expected F32, BF16 or F16)"
                 )
 
-        def get(name: str) -> np.ndarray:
-            return handles[located[name]].get_tensor(name)
+        def read(name: str):
+            if name not in located:
+                raise KeyError(f"{path} has no tensor {name!r}")
+            return handles[located[name]].get_slice(name)
 
-        params = _assemble(config, located, get, out_dtype, path)
+        read.names = frozenset(located)
+        yield config, read
     finally:
         for fh in handles.values():
             fh.__exit__(None, None, None)
+
+
+def load_hf(path: str | os.PathLike, dtype=None) -> tuple[Qwen3Config, Params]:
+    """Read a local Hugging Face Qwen3 directory into ``(config, params)``.
+
+    ``params`` is our plain (unboxed) tree of host numpy arrays in ``dtype`` (a name such as
+    ``"bfloat16"`` or a dtype; default: the config's ``param_dtype``, float32), ready for
+    ``Qwen3(config).apply({"params": params}, ...)`` or ``jax.device_put`` with shardings.
+    The returned config's ``param_dtype`` is set to ``dtype``. The whole model passes
+    through host memory; ``convert.hf_mesh.load_hf_to_mesh`` reads each device's slices
+    only.
+    """
+    path = os.fspath(path)
+    with open_checked(path, dtype) as (config, read):
+        params = _assemble(
+            config, read.names, lambda n: read(n)[:], _np_dtype(config.param_dtype), path
+        )
     return config, params
 
 

@@ -74,6 +74,7 @@ def load_target(
     target_dir: str | os.PathLike,
     dtype=None,
     *,
+    mesh=None,
     check_tokenizer: bool = True,
     flag: str | None = "--target",
     drafter_flag: str | None = "--drafter",
@@ -82,7 +83,10 @@ def load_target(
     ``param_dtype``). ``check_tokenizer``: refuse a tokenizer with more ids than the
     target's vocabulary here (the serving engine checks it itself, after the drafter).
     A drafter directory given as the target is refused by name (``flag``: the option it
-    was given as, ``drafter_flag``: the one it belongs to; None where there is none)."""
+    was given as, ``drafter_flag``: the one it belongs to; None where there is none).
+    ``mesh``: read the weights straight onto that device mesh, sharded by the logical-axis
+    rules, each process reading only its devices' blocks (``convert.hf_mesh``); None: the
+    whole model through host memory onto the default device."""
     d = Path(target_dir)
     if not d.is_dir():
         raise FileNotFoundError(f"target directory {d} does not exist")
@@ -92,12 +96,22 @@ def load_target(
         if not (d / name).is_file():
             raise FileNotFoundError(f"target directory {d} has no {name}")
     tokenizer = Tokenizer(d)
-    config, params = load_hf(d, dtype=dtype)
+    if mesh is not None:
+        from dspark_jax.convert.hf_mesh import hf_dir_fingerprint, load_hf_to_mesh
+
+        config, params = load_hf_to_mesh(d, mesh, dtype=dtype)
+        loaded = LoadedTarget(Qwen3(config), params, config, tokenizer, os.fspath(target_dir))
+        loaded.fingerprint = hf_dir_fingerprint(d)  # from the files, not a gathered table
+    else:
+        config, params = load_hf(d, dtype=dtype)
+        loaded = None
     if check_tokenizer and tokenizer.vocab_size > config.vocab_size:
         raise ValueError(
             f"the tokenizer in {d} has {tokenizer.vocab_size} ids but the target's vocabulary "
             f"has {config.vocab_size}: they were not trained together"
         )
+    if loaded is not None:
+        return loaded
     params = jax.tree.map(jax.numpy.asarray, params)
     return LoadedTarget(Qwen3(config), params, config, tokenizer, os.fspath(target_dir))
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["FINGERPRINT_ROWS", "weights_fingerprint"]
+__all__ = ["FINGERPRINT_ROWS", "fingerprint_from_sample", "sample_stride", "weights_fingerprint"]
 
 FINGERPRINT_ROWS = 1024  # embedding rows hashed, evenly strided over the vocabulary
 
@@ -29,6 +29,22 @@ def _bf16_bytes(x) -> bytes:
     return np.ascontiguousarray(a).tobytes()
 
 
+def sample_stride(vocab_size: int) -> int:
+    """The stride of the embedding rows the fingerprint hashes."""
+    return max(1, int(vocab_size) // FINGERPRINT_ROWS)
+
+
+def fingerprint_from_sample(embedding_shape, sampled_rows, norm) -> str:
+    """The fingerprint from its inputs alone: the embedding table's shape, its rows
+    ``[::sample_stride(vocab)]`` and the final norm (so a reader of the checkpoint files
+    can compute it without the whole table, ``convert.hf_mesh.hf_dir_fingerprint``)."""
+    h = hashlib.sha256()
+    h.update(repr(tuple(int(n) for n in embedding_shape)).encode())
+    h.update(_bf16_bytes(sampled_rows))
+    h.update(_bf16_bytes(norm))
+    return h.hexdigest()[:16]
+
+
 def weights_fingerprint(params: Mapping) -> str:
     """16 hex digits identifying a Qwen3 parameter tree (``embed_tokens`` / ``norm``)."""
     try:
@@ -39,9 +55,6 @@ def weights_fingerprint(params: Mapping) -> str:
             "weights_fingerprint needs a Qwen3 parameter tree with embed_tokens/embedding "
             f"and norm/scale; missing {e}"
         ) from None
-    stride = max(1, int(np.shape(embedding)[0]) // FINGERPRINT_ROWS)
-    h = hashlib.sha256()
-    h.update(repr(tuple(np.shape(embedding))).encode())
-    h.update(_bf16_bytes(np.asarray(embedding)[::stride]))
-    h.update(_bf16_bytes(norm))
-    return h.hexdigest()[:16]
+    shape = np.shape(embedding)
+    rows = embedding[:: sample_stride(shape[0])]  # a jax.Array is sliced on its devices
+    return fingerprint_from_sample(shape, np.asarray(rows), np.asarray(norm))
