@@ -296,6 +296,22 @@ def _goals(cases: dict[str, Any]) -> list[str]:
                 f"{x['seconds']['step'] * 1e3:.1f} | {x['mfu'] * 100:.1f} % | "
                 f"{x['memory']['peak_bytes'] / 1e9:.2f} |"
             )
+    e = next((x for k, x in cases.items() if k.startswith("8b_v5e64")), None)
+    if e is not None:
+        coll = e["collectives"]
+        tgt = sum(v for n, v in coll["by_scope"].items() if "Qwen3.hidden_states)/layers" in n)
+        once = target_gather_bytes(dict(e, collectives={}))
+        out += [
+            "",
+            f"Not fixed here: on v5e ({e['topology']}, mesh "
+            + ",".join(str(e["mesh"].get(a, 1)) for a in ("data", "fsdp", "tensor"))
+            + f", {e['shape']['anchors']} anchors, draft layers rematerialised to fit 16 GB) "
+            f"the step is {e['mfu'] * 100:.1f} % MFU: XLA:TPU gathers the frozen target's "
+            f"weights {tgt / once:.2f}× over ({tgt / 1e9:.1f} GB against {once / 1e9:.1f} GB "
+            f"once; {coll['count'].get('all-gather', 0)} all-gathers), so ICI takes "
+            f"{e['seconds']['collectives'] * 1e3:.0f} of its "
+            f"{e['seconds']['step'] * 1e3:.0f} ms; that is the next waste to chase there.",
+        ]
     return out
 
 
@@ -357,6 +373,12 @@ def to_markdown(res: dict[str, Any]) -> str:
             f"{n} {v / 1e9:.2f} ({coll['count'].get(n, 0)})" for n, v in coll["by_kind"].items()
         ) + "; by scope:", ""]  # fmt: skip
         out += [f"- {v / 1e9:.2f} GB `{n}`" for n, v in coll["by_scope"].items()]
+        tgt = sum(v for n, v in coll["by_scope"].items() if "Qwen3.hidden_states)/layers" in n)
+        if tgt and "preset" in c:
+            once = target_gather_bytes(dict(c, collectives={}))
+            out += ["", f"The frozen target's layer weights move {tgt / 1e9:.2f} GB over ICI in "
+                    f"named all-gathers, {tgt / once:.2f}× one gather of each weight "
+                    f"({once / 1e9:.2f} GB per chip at fsdp {c['mesh'].get('fsdp', 1)})."]  # fmt: skip
         ag = coll.get("gathers_as_all_reduce", 0.0)
         out += ["", f"Of the {coll['total'] / 1e9:.2f} GB, {ag / 1e9:.2f} GB are all-gathers "
                 "written as all-reduces (unnamed: XLA's own instructions); by dtype: "
