@@ -4,6 +4,11 @@
 tokenizer and, unless ``kind`` is None, a one-layer drafter of that kind, with random
 weights: their text is meaningless but every code path (prefill, draft, verify, commit,
 serving) runs with real shapes.
+
+``tiny_hf_qwen3(out_dir)`` writes a tiny random Qwen3 as a Hugging Face directory laid out
+like a real Qwen3 checkpoint (Qwen3's special-token names, a ChatML chat template, an
+embedding larger than the tokenizer), built offline: the stand-in for "your own Qwen3"
+that ``scripts/byo_qwen3.sh`` runs on in CI.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ __all__ = [
     "one_device_subprocess_env",
     "smoke_schedule",
     "stdlib_corpus",
+    "tiny_hf_qwen3",
     "tiny_random_models",
 ]
 
@@ -159,3 +165,122 @@ def tiny_random_models(
     drafter = make_drafter(DrafterConfig(**kw), cfg)
     dparams = nn.unbox(init_drafter_params(drafter, jax.random.key(seed + 1)))
     return target, params, drafter, dparams
+
+
+# The special tokens of a Qwen3 tokenizer that matter here, by Qwen3's names: documents end
+# with <|endoftext|>, chat turns are <|im_start|>role ... <|im_end|>, and <|fim_pad|> is the
+# MASK token of configs/drafter_dspark_my_qwen3.py (Qwen3 has no <|mask|>).
+QWEN3_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
+    "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+)  # fmt: skip
+# ChatML, the turn format of Qwen chat models (without Qwen3's thinking and tool parts).
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+TINY_QWEN3_TEXT_MODULES = ("textwrap", "string", "glob", "fnmatch", "shlex", "bisect")
+
+
+def _tiny_qwen3_tokenizer(out_dir: str, tokens: int, modules):
+    """A byte-level BPE of ``tokens`` ids trained on standard-library modules, with
+    Qwen3's special tokens added after the learnt vocabulary (where Qwen3 has them)."""
+    import tokenizers
+    from tokenizers import trainers
+
+    from dspark_jax.data.tokenizer_train import build_byte_level_bpe
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    texts = []
+    for name in modules:
+        with open(os.path.join(stdlib, name + ".py"), encoding="utf-8") as f:
+            texts.append(f.read())
+    tok = build_byte_level_bpe()
+    trainer = trainers.BpeTrainer(
+        vocab_size=tokens - len(QWEN3_SPECIAL_TOKENS), min_frequency=2, show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.add_special_tokens(
+        [tokenizers.AddedToken(t, special=True, normalized=False) for t in QWEN3_SPECIAL_TOKENS]
+    )
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    return tok
+
+
+def tiny_hf_qwen3(
+    out_dir,
+    *,
+    writer: str = "auto",
+    tokens: int = 480,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    modules=TINY_QWEN3_TEXT_MODULES,
+) -> dict:
+    """Write a tiny random Qwen3 checkpoint to ``out_dir``, offline: ``config.json``,
+    ``model.safetensors`` (bfloat16), ``tokenizer.json`` (a byte-level BPE of ``tokens`` ids
+    trained on the standard library's ``modules``, Qwen3's special tokens last) and
+    ``tokenizer_config.json`` with a ChatML ``chat_template``. The embedding has a multiple
+    of 64 rows, more than the tokenizer's ids, as Qwen3's does.
+
+    ``writer``: ``"transformers"`` (``Qwen3ForCausalLM(config).save_pretrained``; needs
+    torch), ``"save_hf"`` (this package's initialiser and ``convert.save_hf``) or
+    ``"auto"`` (transformers when torch is importable). Returns ``{"path", "writer",
+    "vocab_size", "tokenizer_size"}``."""
+    import importlib.util
+    import json
+
+    if writer == "auto":
+        have_torch = importlib.util.find_spec("torch") is not None
+        have_hf = importlib.util.find_spec("transformers") is not None
+        writer = "transformers" if have_torch and have_hf else "save_hf"
+    if writer not in ("transformers", "save_hf"):
+        raise ValueError(f"writer must be 'auto', 'transformers' or 'save_hf', got {writer!r}")
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    tok = _tiny_qwen3_tokenizer(out_dir, tokens, modules)
+    n_ids = tok.get_vocab_size(with_added_tokens=True)
+    vocab = -(-(n_ids + 1) // 64) * 64
+    ids = {t: tok.token_to_id(t) for t in QWEN3_SPECIAL_TOKENS}
+    shape = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False, bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+    )  # fmt: skip
+    if writer == "transformers":
+        import torch
+        import transformers
+
+        torch.manual_seed(seed)
+        # initializer_range 0.1 (HF default 0.02): logits far enough from uniform that the
+        # random model's continuations have some structure for a drafter to learn.
+        config = transformers.Qwen3Config(**shape, initializer_range=0.1)
+        model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
+        model.save_pretrained(out_dir)
+    else:
+        import flax.linen as nn
+        import numpy as np
+
+        from dspark_jax.convert.hf_qwen3 import save_hf
+        from dspark_jax.models.qwen3 import Qwen3, Qwen3Config
+
+        cfg = Qwen3Config(**shape)
+        params = Qwen3(cfg).init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"]
+        params = jax.tree.map(np.asarray, nn.unbox(params))
+        params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 5.0  # as above: less flat
+        save_hf(out_dir, cfg, params, dtype="bfloat16")
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": max_position_embeddings,
+        "chat_template": CHATML_TEMPLATE,
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(tokenizer_config, f, indent=2)
+    return {"path": out_dir, "writer": writer, "vocab_size": vocab, "tokenizer_size": n_ids}
