@@ -193,6 +193,20 @@ class DrafterTask(Task):
             ) from None
         manifest = read_metadata(ds_dir).get("manifest", {})
         self._data_target_fingerprint = manifest.get("target_fingerprint")
+        prompt_len, new = manifest.get("prompt_len"), manifest.get("max_new_tokens")
+        seq = self.cfg.data.seq_len
+        if isinstance(prompt_len, int) and seq < prompt_len + 2:
+            # Rows are cut to seq_len and only generated tokens are supervised (an anchor
+            # and the token after it must both be generated): every row would end inside
+            # its prompt, or one token after it, and the run would train on nothing.
+            full = f"; {prompt_len + new} keeps every generated token" if new else ""
+            raise ValueError(
+                f"data.seq_len = {seq} is too short for the distilled data in {ds_dir}: its "
+                f"prompts are {prompt_len} tokens (--prompt-len) and only the generated "
+                "tokens after them are supervised, so every row would end before them and "
+                f"training would train on nothing (loss 0). Set --config.data.seq_len to at "
+                f"least {prompt_len + 2}{full}."
+            )
         sha = manifest.get("tokenizer_sha1")
         if sha is not None:
             have = hashlib.sha1(self.tokenizer.path.read_bytes()).hexdigest()
