@@ -200,3 +200,31 @@ def test_bad_aot_arguments_fail_clearly():
     cfg = load_config(CFG, [("data.batch_size", "4")])
     with pytest.raises(ValueError, match="not divisible by the data-parallel degree"):
         aot.compile_train_step(cfg, shd.make_mesh(1, 8, 1))
+
+
+def test_decode_state_layout_on_a_mesh():
+    """The decoder's own state layout (``state_shardings``, which the AOT serving round
+    uses: tests/test_aot_tpu.py): the page pools split over KV heads on the tensor axis,
+    every per-slot field over the batch axes."""
+    from jax.sharding import PartitionSpec as P
+
+    from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
+
+    mesh = shd.make_mesh(data=2, tensor=2, devices=jax.devices()[:4])  # tiny: 2 KV heads
+    tgt = get_preset("tiny")
+    dc = DrafterConfig(kind="dspark", gamma=3, num_layers=1, markov_rank=16, mask_token_id=1)
+    drafter = make_drafter(dc.resolve(tgt), tgt)
+    target = Qwen3(tgt)
+    tp = nn.unbox(target.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    dp = nn.unbox(init_drafter_params(drafter, jax.random.key(1)))
+    dec = SpeculativeDecoder(target, tp, drafter, dp, StepConfig(num_slots=4, max_len=64))
+    layout = dec.state_shardings(mesh)
+    pool = P(None, None, None, "tensor", None)
+    assert all(s.spec == pool for s in jax.tree.leaves(layout.cache))
+    assert layout.ctx_feats.spec == pool  # DSpark's paged context shares the pool's layout
+    assert layout.seq_len.spec == P(("data", "fsdp"))
+    assert layout.slot_keys.spec == P(("data", "fsdp"), None)
+    # Placed by it, the state the decoder builds runs its round unchanged.
+    state = jax.device_put(dec.init_state(), layout)
+    state, out = dec.round(state)
+    assert out.tokens.shape[0] == 4

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import re
 
+import jax
 import pytest
 
 from dspark_jax.config import load_config
@@ -66,8 +67,19 @@ def test_tiny_serving_round_compiles_with_xla_tpu(v5e_mesh):
 
     tgt = get_preset("tiny")
     dc = DrafterConfig(kind="dspark", gamma=4, num_layers=1, markov_rank=16, mask_token_id=1)
-    report, _ = aot.compile_serve_round(tgt, dc.resolve(tgt), v5e_mesh, slots=4, max_len=64)
+    report, compiled = aot.compile_serve_round(tgt, dc.resolve(tgt), v5e_mesh, slots=4, max_len=64)
     assert report["compiler"] == "XLA:TPU" and report["kind"] == "serve_round"
+    # The state is laid out by the decoder's own state_shardings (one layout, not a copy).
+    from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
+    from dspark_jax.models.drafters import make_drafter
+    from dspark_jax.models.qwen3 import Qwen3
+
+    dec = SpeculativeDecoder(
+        Qwen3(tgt), None, make_drafter(dc.resolve(tgt), tgt), None,
+        StepConfig(num_slots=4, max_len=64),
+    )  # fmt: skip
+    specs = jax.tree.map(lambda s: s.spec, dec.state_shardings(v5e_mesh))
+    assert jax.tree.map(lambda s: s.spec, compiled.input_shardings[0][1]) == specs
     assert report["budget"] == 4 * 4 and report["memory"]["peak_bytes"] > 0
     text = aot.format_report(report)
     assert "by XLA:TPU" in text

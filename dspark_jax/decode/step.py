@@ -82,7 +82,7 @@ from dspark_jax.ops.sampling import (
     split_keys,
 )
 from dspark_jax.sched import policies
-from dspark_jax.sharding import LOGICAL_RULES
+from dspark_jax.sharding import LOGICAL_RULES, logical_to_spec
 
 Array = jax.Array
 
@@ -349,6 +349,37 @@ class SpeculativeDecoder:
             ),
             coupled=jnp.zeros((r,), bool),
         )
+
+    # Logical axes of the paged pools: the target's KV pool and a DSpark/DFlash drafter's
+    # paged context (which shares its page table) are split over KV heads, never over
+    # pages, since a page may belong to any slot.
+    _POOL_AXES = ("cache_layers", "cache_pages", "cache_page_len", "cache_kv_heads", None)
+
+    def state_shardings(self, mesh) -> DecodeState:
+        """The ``NamedSharding`` of every field of the decode state on ``mesh``: the one
+        layout of the state, for the serving round compiled ahead of time
+        (``train/aot.compile_serve_round``) and the roofline. The pools per
+        ``_POOL_AXES``; every per-slot field (``[R, ...]``) over the batch axes
+        (``cache_slots``); a dimension the mesh does not divide stays whole
+        (``sharding.logical_to_spec``)."""
+        from jax.sharding import NamedSharding
+
+        def one(path, leaf):
+            name = getattr(path[0], "name", None)
+            if name == "cache" or (name == "ctx_feats" and self.kv_cache):
+                names = self._POOL_AXES
+            else:
+                names = ("cache_slots",) + (None,) * (leaf.ndim - 1) if leaf.ndim else ()
+            return NamedSharding(mesh, logical_to_spec(names, leaf.shape, mesh))
+
+        return jax.tree_util.tree_map_with_path(one, jax.eval_shape(self.init_state))
+
+    def lower_round(self, state, budget: int, params=None):
+        """``jax.jit(...).lower`` of the fused round the decoder runs (draft → schedule →
+        packed verify → commit) at verify budget ``budget``: for ahead-of-time compilation
+        with abstract arguments (``jax.ShapeDtypeStruct`` with shardings; ``params`` =
+        ``(target params, drafter params, SPS table)``, default the decoder's own)."""
+        return self._round.lower(self._params if params is None else params, state, budget)
 
     def static_page_rows(self, slots) -> np.ndarray:
         """Page-table rows ``[len(slots), pages_per_seq]`` giving slot ``s`` the fixed pages

@@ -404,10 +404,6 @@ def _remat_of(task) -> str | None:
 # ----------------------------------------------------------------------------------------
 # Serving round
 # ----------------------------------------------------------------------------------------
-def _state_sharding(path_names, shape, mesh):
-    return NamedSharding(mesh, shd.logical_to_spec(path_names, shape, mesh))
-
-
 def compile_serve_round(
     target_config,
     drafter_config,
@@ -466,25 +462,16 @@ def compile_serve_round(
         budget = dec.full_budget if budget is None else int(budget)
         state = jax.eval_shape(dec.init_state)
         rep = NamedSharding(mesh, PartitionSpec())
-        cache_names = ("cache_layers", "cache_pages", "cache_page_len", "cache_kv_heads", None)
-
-        def place(path, leaf):
-            name = getattr(path[0], "name", None)
-            if name == "cache" or (name == "ctx_feats" and dec.kv_cache):
-                # The drafter's paged K/V has the target cache's layout and page table.
-                s = _state_sharding(cache_names, leaf.shape, mesh)
-            elif leaf.ndim >= 1 and name != "rng":
-                names = ("cache_slots",) + (None,) * (leaf.ndim - 1)
-                s = _state_sharding(names, leaf.shape, mesh)
-            else:
-                s = rep
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s)
-
-        state = jax.tree_util.tree_map_with_path(place, state)
+        # The decoder's own state layout (SpeculativeDecoder.state_shardings), not a copy.
+        state = jax.tree.map(
+            lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
+            state,
+            dec.state_shardings(mesh),
+        )
         sps = jax.ShapeDtypeStruct((dec.table_len,), jnp.float32, sharding=rep)
         params = (t_params, d_params, sps)
         t0 = time.perf_counter()
-        lowered = dec._round.lower(params, state, budget)
+        lowered = dec.lower_round(state, budget, params)
         t1 = time.perf_counter()
         compiled = lowered.compile()
         t2 = time.perf_counter()
