@@ -82,16 +82,26 @@ def _run_two_processes(corpus, workdir: str, cache_dir: str) -> None:
         )  # fmt: skip
         for i in range(2)
     ]
+    _wait_all(procs, timeout=300, what="the two-process training run")
+
+
+def _wait_all(procs, timeout: float, what: str) -> list[tuple[bytes, bytes]]:
+    """Each process's (stdout, stderr) once all exited 0; a failure names the process, a
+    hang past ``timeout`` fails the test (and SIGKILLs the processes: jax's distributed
+    runtime catches SIGTERM)."""
     outs = []
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=300))
+            outs.append(p.communicate(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what} hung for {timeout} s")
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
     for i, (p, (_, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"process {i} failed:\n{err.decode()[-4000:]}"
+    return outs
 
 
 def _losses(workdir):
@@ -195,19 +205,9 @@ def _run_collective_program(cache_dir: str, processes: int) -> list[str]:
         )  # fmt: skip
         for a in args
     ]
-    outs = []
-    try:
-        for p in procs:
-            # jax's distributed runtime catches SIGTERM: a hung process needs SIGKILL.
-            outs.append(p.communicate(timeout=120))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a {processes}-process run hung with the compilation cache {cache_dir}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, (_, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {i} failed:\n{err.decode()[-4000:]}"
+    outs = _wait_all(
+        procs, timeout=120, what=f"a {processes}-process run with the compilation cache {cache_dir}"
+    )
     return [line for out, _ in outs for line in out.decode().splitlines() if "RESULT" in line]
 
 
