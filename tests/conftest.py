@@ -17,5 +17,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Keep fp32 matmuls exact enough for parity tests.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="dspark_jax_xla_"))
+# Two xdist workers may each load libtpu at once to compile for a TPU topology
+# (test_aot_tpu.py, test_train_roofline.py); libtpu's lock file refuses the second. The
+# tests never run on TPU chips (JAX_PLATFORMS=cpu), so two loads share nothing.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
