@@ -97,6 +97,11 @@ MANIFEST = (
         Entry((R + "serving_sim_validation.md",), serving.sim_validation),
         Entry((R + "serving_sim_v5p_*.md",), serving.sim_modelled),
     )),
+    Page("train-cost.md", "Training cost on TPU slices", "the drafter training step's "
+         "roofline (XLA:TPU, modelled step time and MFU) and chip-hours for DeepSpec's recipe, "
+         "online target features against a feature cache", (
+        Entry((R + "train_roofline.md",), training.train_roofline),
+    )),
     Page("history.md", "History: before and after", "finished changes measured against "
          "their baselines (training memory, paged KV cache, q/k/v layout, CPU round time)", (
         Entry((R + "gathered_lm_head_baseline/aot_memory_v5p.json", R + "aot_memory_v5p.json"),

@@ -14,8 +14,8 @@ cost so ``--reuse`` can re-model without recompiling (an 8B case compiles for mi
 The cost table (``--costs``, from the cases in the result file) scales each size's
 modelled step to DeepSpec's DSpark recipe (``RECIPE``) on v5p and v5e, for (a) the frozen
 target run inside the step (this project) and (b) target features read from a cache at
-``--cache-gbps`` per host. Writes ``benchmarks/results/train_roofline.json`` / ``.md`` and
-``docs/results/train_roofline.md``.
+``--cache-gbps`` per host. Writes ``benchmarks/results/train_roofline.json`` / ``.md``;
+``python benchmarks/summarize.py`` puts the latter in ``docs/results/train-cost.md``.
 """
 
 from __future__ import annotations
@@ -117,7 +117,6 @@ def main(argv=None) -> None:
     p.add_argument("--hlo-dir", default=None, help="keep compiled HLO + cost here")
     p.add_argument("--reuse", action="store_true", help="re-model from --hlo-dir")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "train_roofline"))
-    p.add_argument("--page", default=None, help="also write the results page here")
     args = p.parse_args(argv)
     from dspark_jax.perf import train_report
     from dspark_jax.perf.results import write_result
@@ -141,9 +140,6 @@ def main(argv=None) -> None:
     md = train_report.to_markdown(res)
     with open(args.out + ".md", "w") as f:
         f.write(md)
-    if args.page:
-        with open(args.page, "w") as f:
-            f.write(md)
     print(md)
 
 

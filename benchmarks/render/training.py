@@ -208,3 +208,12 @@ def data_curve(results: pathlib.Path) -> list[str]:
 
 def ablation(results: pathlib.Path) -> list[str]:
     return ablation_section(common.load(results / "drafter_ablation.json"))
+
+
+def train_roofline(results: pathlib.Path) -> list[str]:
+    """The training step's roofline on TPU slices and the chip-hour table for DeepSpec's
+    recipe (``benchmarks/train_roofline.py``; its own Markdown, with its commands)."""
+    path = results / "train_roofline.md"
+    if not path.is_file():
+        return []
+    return common.included(path, "python benchmarks/train_roofline.py --case CASE [--case ...]")
