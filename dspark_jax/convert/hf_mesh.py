@@ -24,7 +24,6 @@ the whole model on one host either.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +32,7 @@ from jax.sharding import Mesh
 
 from dspark_jax.convert.hf_qwen3 import (
     Params,
+    _get_path,
     _mappings,
     _np_dtype,
     open_checked,
@@ -79,12 +79,6 @@ def read_block(tensor, layout: str, block: list[slice], head_dim: int) -> np.nda
     return x[:, k, :]
 
 
-def _get(tree: Any, path: tuple[str, ...]):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
 def _set(tree: dict, path: tuple[str, ...], value) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
@@ -128,19 +122,26 @@ def load_hf_to_mesh(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[Qw
                     out[j] = read_block(read(m.hf_name.format(i=i)), m.layout, rest, hd)
                 return out
 
-            _set(params, m.path, _build(shape, _get(shardings, m.path), block))
+            _set(params, m.path, _build(shape, _get_path(shardings, m.path), block))
         if config.tie_word_embeddings and "lm_head.weight" in read.names:
             _check_tied_head(read, config.vocab_size, path)
     return config, params
 
 
 def _build(shape: tuple[int, ...], sharding, block) -> jax.Array:
-    """``jax.make_array_from_callback``, one device at a time: each block is read, sent to
-    its device and dropped before the next is read, so the host holds one block at a time
-    (``make_array_from_callback`` would hold all of a process's blocks of the tensor)."""
-    arrays = []
+    """``jax.make_array_from_callback``, one block at a time: each distinct block is read
+    once (devices holding the same block, e.g. the replicas of a data axis, share the
+    read), sent to its devices and dropped before the next is read, so the host holds one
+    block at a time (``make_array_from_callback`` would hold all of a process's blocks)."""
+    devices_of: dict[tuple, tuple[tuple, list]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
-        arrays.append(jax.device_put(block(index), device))
+        key = tuple((s.start, s.stop, s.step) for s in index)  # slices are not hashable
+        devices_of.setdefault(key, (index, []))[1].append(device)
+    arrays = []
+    for index, devices in devices_of.values():
+        host = block(index)
+        arrays += [jax.device_put(host, device) for device in devices]
+        del host
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
