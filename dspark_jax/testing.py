@@ -13,7 +13,11 @@ that ``scripts/byo_qwen3.sh`` runs on in CI.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,12 +30,39 @@ import jax.numpy as jnp
 
 __all__ = [
     "kill_and_resume",
+    "xla_compilations",
     "one_device_subprocess_env",
     "smoke_schedule",
     "stdlib_corpus",
     "tiny_hf_qwen3",
     "tiny_random_models",
 ]
+
+
+@contextlib.contextmanager
+def xla_compilations():
+    """Counts of XLA compilations by jitted function name while the block runs, from jax's
+    own "Finished XLA compilation of jit(NAME)" log record (one per executable compiled;
+    a jitted function's ``_cache_size()`` counts dispatch-cache entries instead, which
+    on a mesh can hold two entries for one executable)."""
+    counts: collections.Counter = collections.Counter()
+    pattern = re.compile(r"Finished XLA compilation of jit\((\w+)\)")
+
+    class Count(logging.Handler):
+        def emit(self, record):
+            m = pattern.match(record.getMessage())
+            if m:
+                counts[m.group(1)] += 1
+
+    logger = logging.getLogger("jax._src.dispatch")
+    handler, level = Count(logging.DEBUG), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield counts
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def stdlib_corpus(root, modules, vocab_size: int = 320, **prepare_kwargs) -> tuple[str, str]:

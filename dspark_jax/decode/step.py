@@ -98,6 +98,10 @@ def _key_data_shape() -> tuple[int, ...]:
     return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
 
 
+def _state_only(state):
+    return (state,)
+
+
 def request_key_data(*seed: int) -> np.ndarray:
     """Key data of the random stream for ``seed`` (any non-negative integers, e.g. a
     request's seed, or a run seed and a request index), computed on the host: the full
@@ -223,12 +227,29 @@ class SpeculativeDecoder:
         sps_table: Array | None = None,
         sts_temperatures=None,
         sts_biases=None,
+        mesh=None,
     ):
         self.target = target
-        self.target_params = target_params
         self.drafter = drafter
-        self.drafter_params = drafter_params
         self.config = config
+        # On a device mesh (``decode.mesh``): the parameters are placed by the logical-axis
+        # rules (already-placed ones stay put), the state by ``state_shardings``, and every
+        # executable is traced under the mesh and the rules table (the kernels run per
+        # device under ``shard_map``) and returns its state in that same layout, so a round
+        # never meets a new input layout and compiles once per bucket.
+        self.mesh = mesh
+        if mesh is not None:
+            from dspark_jax.decode import mesh as mesh_lib
+
+            target_params = mesh_lib.place_params(
+                target_params, mesh_lib.target_layout(target.config, mesh), "target"
+            )
+            if drafter is not None:
+                drafter_params = mesh_lib.place_params(
+                    drafter_params, mesh_lib.drafter_layout(drafter, mesh), "drafter"
+                )
+        self.target_params = target_params
+        self.drafter_params = drafter_params
         tcfg = target.config
         if config.max_len > tcfg.max_position_embeddings:
             raise ValueError(
@@ -290,12 +311,17 @@ class SpeculativeDecoder:
         # Parameters (and the SPS table) are passed as arguments, not closed over, so they
         # are not baked into the executables as constants and a re-profiled table needs no
         # recompilation; the state is donated so caches update in place.
-        self._round = jax.jit(self._round_impl, static_argnums=(2,), donate_argnums=(1,))
+        self._state_shardings = None if mesh is None else self.state_shardings(mesh)
+        pin = self._pinned
+        self._round = jax.jit(pin(self._round_impl), static_argnums=(2,), donate_argnums=(1,))
         # The plan returns the state too: a DSpark/DFlash draft writes its block K/V into
         # the paged drafter context in place (donated, like every round).
-        self._plan = jax.jit(self._plan_impl, static_argnums=(2,), donate_argnums=(1,))
-        self._commit = jax.jit(self._commit_impl, static_argnums=(3,), donate_argnums=(1,))
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
+        self._plan = jax.jit(pin(self._plan_impl), static_argnums=(2,), donate_argnums=(1,))
+        self._commit = jax.jit(pin(self._commit_impl), static_argnums=(3,), donate_argnums=(1,))
+        self._prefill = jax.jit(pin(self._prefill_impl), donate_argnums=(1,))
+        # A state edited on the host, put back in the layout the rounds return (on a mesh,
+        # the specs jit gives its outputs, which is what the next call is keyed on).
+        self._relayout_state = jax.jit(pin(_state_only), donate_argnums=(0,))
         self._params = (target_params, drafter_params, np.zeros((self.table_len,), np.float32))
         if sps_table is not None:
             self.set_sps_table(sps_table)
@@ -314,6 +340,10 @@ class SpeculativeDecoder:
         if hasattr(table, "as_array"):
             table = table.as_array(self.table_len)
         arr = jnp.asarray(table, jnp.float32)
+        if self.mesh is not None:  # beside the parameters, replicated
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            arr = jax.device_put(arr, NamedSharding(self.mesh, PartitionSpec()))
         if arr.ndim != 1 or arr.shape[0] < self.table_len:
             raise ValueError(
                 f"SPS table has shape {arr.shape}; need a 1-D table with >= {self.table_len} "
@@ -331,6 +361,13 @@ class SpeculativeDecoder:
 
     # -- state ------------------------------------------------------------------------
     def init_state(self, seed: int = 0) -> DecodeState:
+        """Every slot free; on a mesh, laid out by ``state_shardings``."""
+        state = self._empty_state(seed)
+        if self.mesh is None or isinstance(state.seq_len, jax.core.Tracer):  # eval_shape
+            return state
+        return self._relayout(state)
+
+    def _empty_state(self, seed: int) -> DecodeState:
         c, r = self.config, self.config.num_slots
         return DecodeState(
             cache=init_cache(self.target.config, self.num_pages, c.page_size),
@@ -362,24 +399,72 @@ class SpeculativeDecoder:
         ``_POOL_AXES``; every per-slot field (``[R, ...]``) over the batch axes
         (``cache_slots``); a dimension the mesh does not divide stays whole
         (``sharding.logical_to_spec``)."""
-        from jax.sharding import NamedSharding
+        from jax.sharding import NamedSharding, PartitionSpec
 
         def one(path, leaf):
             name = getattr(path[0], "name", None)
             if name == "cache" or (name == "ctx_feats" and self.kv_cache):
-                names = self._POOL_AXES
-            else:
-                names = ("cache_slots",) + (None,) * (leaf.ndim - 1) if leaf.ndim else ()
-            return NamedSharding(mesh, logical_to_spec(names, leaf.shape, mesh))
+                # Split by KV heads, not by entries of the combined axis: keys and values
+                # interleave there (ops.paged_attention), so a split that does not divide
+                # the heads would put a head's K and V on different devices.
+                heads = leaf.shape[:3] + (leaf.shape[3] // 2,) + leaf.shape[4:]
+                return NamedSharding(mesh, used_axes(logical_to_spec(self._POOL_AXES, heads, mesh)))
+            names = ("cache_slots",) + (None,) * (leaf.ndim - 1) if leaf.ndim else ()
+            return NamedSharding(mesh, used_axes(logical_to_spec(names, leaf.shape, mesh)))
 
-        return jax.tree_util.tree_map_with_path(one, jax.eval_shape(self.init_state))
+        def used_axes(spec):
+            # Axes of size 1 dropped: the layout a round returns its state in, so the next
+            # call sees the same input shardings (P(('data', 'fsdp')) on a data-1 mesh would
+            # come back as P() and compile the round again).
+            def keep(axis):
+                axes = () if axis is None else ((axis,) if isinstance(axis, str) else axis)
+                axes = tuple(a for a in axes if mesh.shape[a] > 1)
+                return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+            return PartitionSpec(*map(keep, spec))
+
+        return jax.tree_util.tree_map_with_path(
+            one, jax.eval_shape(functools.partial(self._empty_state, 0))
+        )
+
+    def _relayout(self, state: DecodeState) -> DecodeState:
+        with self.mesh_context():
+            return self._relayout_state(state)[0]
+
+    def _pinned(self, impl):
+        """``impl`` (which returns ``(state, ...)``) with its returned state constrained to
+        ``state_shardings`` on a mesh; ``impl`` itself without one."""
+        if self.mesh is None:
+            return impl
+
+        def pinned(*args):
+            state, *rest = impl(*args)
+            return (jax.lax.with_sharding_constraint(state, self._state_shardings), *rest)
+
+        # Named as the step it runs (compile logs and profiles say jit(round), not pinned).
+        pinned.__name__ = pinned.__qualname__ = impl.__name__.strip("_").removesuffix("_impl")
+        return pinned
+
+    def mesh_context(self):
+        """The context every executable of a meshed decoder is traced and run in: the mesh
+        and the logical-axis rules (a no-op without a mesh)."""
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        if self.mesh is not None:
+            from dspark_jax.sharding import rules_context
+
+            stack.enter_context(jax.set_mesh(self.mesh))
+            stack.enter_context(rules_context(self.mesh))
+        return stack
 
     def lower_round(self, state, budget: int, params=None):
         """``jax.jit(...).lower`` of the fused round the decoder runs (draft → schedule →
         packed verify → commit) at verify budget ``budget``: for ahead-of-time compilation
         with abstract arguments (``jax.ShapeDtypeStruct`` with shardings; ``params`` =
         ``(target params, drafter params, SPS table)``, default the decoder's own)."""
-        return self._round.lower(self._params if params is None else params, state, budget)
+        with self.mesh_context():
+            return self._round.lower(self._params if params is None else params, state, budget)
 
     def static_page_rows(self, slots) -> np.ndarray:
         """Page-table rows ``[len(slots), pages_per_seq]`` giving slot ``s`` the fixed pages
@@ -403,7 +488,8 @@ class SpeculativeDecoder:
     def compiled_executables(self) -> int:
         """Executables compiled so far for rounds, plans, commits and prefills (one per
         shape; serving checks that none is added after warm-up)."""
-        return sum(f._cache_size() for f in (self._round, self._plan, self._commit, self._prefill))
+        fns = (self._round, self._plan, self._commit, self._prefill, self._relayout_state)
+        return sum(f._cache_size() for f in fns)
 
     # -- the frozen target pieces the drafter shares --------------------------------------
     def _embed_fn(self, tp):
@@ -501,7 +587,8 @@ class SpeculativeDecoder:
             )
         rows = (slots, prompts, lengths, max_new, temperature, top_k, top_p, keys, coupled)
         rows += (page_rows,)
-        return self._prefill(self._params, state, tuple(jnp.asarray(a) for a in rows))
+        with self.mesh_context():
+            return self._prefill(self._params, state, tuple(jnp.asarray(a) for a in rows))
 
     def _prefill_impl(self, params, state, rows):
         slots, prompts, lengths, max_new, temperature, top_k, top_p, keys, coupled = rows[:9]
@@ -610,7 +697,8 @@ class SpeculativeDecoder:
         )
 
         def fresh(st):
-            return st._replace(**{name: jnp.asarray(v) for name, v in reset.items()})
+            st = st._replace(**{name: jnp.asarray(v) for name, v in reset.items()})
+            return st if self.mesh is None else self._relayout(st)
 
         holder = [fresh(self.init_state(seed))]
 
@@ -620,11 +708,13 @@ class SpeculativeDecoder:
 
             def step():
                 st = holder[0]
-                if c.scheduler == "topk":
-                    st, out = self._round(self._params, st, k)
-                else:
-                    st, plan = self._plan(self._params, st, self.full_budget)
-                    st, out = self._commit(self._params, st, plan._replace(lengths=fill), k)
+                with self.mesh_context():
+                    if c.scheduler == "topk":
+                        st, out = self._round(self._params, st, k)
+                    else:
+                        st, plan = self._plan(self._params, st, self.full_budget)
+                        plan = plan._replace(lengths=fill)
+                        st, out = self._commit(self._params, st, plan, k)
                 holder[0] = fresh(st)
                 return out.tokens
 
@@ -634,7 +724,8 @@ class SpeculativeDecoder:
 
     def release(self, state: DecodeState, slot: int) -> DecodeState:
         """Free a slot (cancellation): it stops drafting/verifying from the next round."""
-        return state._replace(active=state.active.at[slot].set(False))
+        state = state._replace(active=state.active.at[slot].set(False))
+        return state if self.mesh is None else self._relayout(state)
 
     # -- one round --------------------------------------------------------------------
     def _check_budget(self, budget) -> int:
@@ -646,7 +737,8 @@ class SpeculativeDecoder:
     def round(self, state: DecodeState, budget: int | None = None):
         """Run one decode round with verify budget K = ``budget`` (default: R·G)."""
         self._require_table()
-        return self._round(self._params, state, self._check_budget(budget))
+        with self.mesh_context():
+            return self._round(self._params, state, self._check_budget(budget))
 
     def plan(self, state: DecodeState, budget: int | None = None) -> tuple[DecodeState, Plan]:
         """Draft and schedule; returns ``(state, plan)``. ``budget`` only matters for
@@ -655,7 +747,8 @@ class SpeculativeDecoder:
         commit the plan against the returned state."""
         self._require_table()
         k = self._check_budget(budget) if self.config.scheduler == "topk" else self.full_budget
-        return self._plan(self._params, state, k)
+        with self.mesh_context():
+            return self._plan(self._params, state, k)
 
     def commit(self, state: DecodeState, plan: Plan, budget: int):
         """Verify ``plan``'s drafts in a buffer of R + ``budget`` rows and commit.
@@ -663,7 +756,8 @@ class SpeculativeDecoder:
         ``budget`` should be ``>= plan.lengths.sum()``; a smaller one trims the plan
         (``_cap_total``), which is exact but wastes drafts.
         """
-        return self._commit(self._params, state, plan, self._check_budget(budget))
+        with self.mesh_context():
+            return self._commit(self._params, state, plan, self._check_budget(budget))
 
     def _plan_impl(self, params, state: DecodeState, budget: int) -> tuple[DecodeState, Plan]:
         c = self.config
