@@ -25,6 +25,8 @@ import re
 import sys
 import time
 
+from dspark_jax.decode.mesh import add_mesh_arguments, mesh_from_args
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TARGET = os.path.join(HERE, "assets", "target")
 DEFAULT_DRAFTER = os.path.join(HERE, "assets", "drafters", "dspark")
@@ -117,6 +119,7 @@ def parse_args(argv=None):
         help="weights and compute dtype of target and drafter (default: float32, as the "
         "loaders read them)",
     )
+    add_mesh_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -221,7 +224,10 @@ def build_engine(args, drafter_dir, scheduler, models=None):
     from dspark_jax.sched.sps import default_cache_path
     from dspark_jax.serve.engine import Engine, EngineConfig, load_models
 
-    models = models or load_models(args.target, drafter_dir, dtype=getattr(args, "dtype", None))
+    mesh = mesh_from_args(args)
+    models = models or load_models(
+        args.target, drafter_dir, dtype=getattr(args, "dtype", None), mesh=mesh
+    )
     if args.max_len is None:
         choose_max_len(args, models)
     target, tp, tok, drafter, dp, sts = models
@@ -252,7 +258,7 @@ def build_engine(args, drafter_dir, scheduler, models=None):
         sps_cache=args.sps_cache or default_cache_path(),
         model_name=name,
     )
-    return Engine(target, tp, tok, drafter, dp, cfg, sts=sts)
+    return Engine(target, tp, tok, drafter, dp, cfg, sts=sts, mesh=mesh)
 
 
 def find_demo_prompts(path: str | None) -> str | None:
@@ -517,9 +523,11 @@ def load_for_serving(args, drafter_dir):
 
     what = f"target {args.target}" + (f", drafter {drafter_dir}" if drafter_dir else "")
     dtype = args.dtype or "float32"
-    say(f"loading {what} ({dtype})")
+    mesh = mesh_from_args(args)
+    where = "" if mesh is None else f" onto {mesh.size} devices (tensor {mesh.shape['tensor']})"
+    say(f"loading {what} ({dtype}){where}")
     t0 = time.perf_counter()
-    models = load_models(args.target, drafter_dir, dtype=args.dtype)
+    models = load_models(args.target, drafter_dir, dtype=args.dtype, mesh=mesh)
     say(f"loaded in {time.perf_counter() - t0:.1f}s")
     choose_max_len(args, models)
     return models

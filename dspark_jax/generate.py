@@ -41,6 +41,8 @@ import sys
 import jax
 import numpy as np
 
+from dspark_jax.decode.mesh import add_mesh_arguments
+
 __all__ = ["main", "parse_args", "read_prompts", "run"]
 
 
@@ -93,6 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--sps-cache", default=None, help="SPS JSON cache (default: ~/.cache/dspark_jax/sps.json)"
     )
+    add_mesh_arguments(p)
     return p.parse_args(argv)
 
 
@@ -130,7 +133,9 @@ def run(args: argparse.Namespace) -> dict:
     from dspark_jax.sched import sps as sps_lib
 
     _check_args(args)
-    loaded = load_target(args.target)
+    from dspark_jax.decode.mesh import mesh_from_args
+
+    loaded = load_target(args.target, mesh=mesh_from_args(args))
     tcfg, tparams, tok, target = loaded.config, loaded.params, loaded.tokenizer, loaded.module
     drafter = dparams = sts = None
     if args.drafter is not None:
@@ -176,6 +181,7 @@ def run(args: argparse.Namespace) -> dict:
         config,
         sts_temperatures=None if sts is None else sts.temperatures,
         sts_biases=None if sts is None else sts.biases,
+        mesh=loaded.mesh,
     )
     runner = Runner(decoder, seed=args.seed)
     if scheduler in ("prefix", "topk"):

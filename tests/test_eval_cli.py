@@ -388,3 +388,23 @@ def test_every_entry_point_names_a_drafter_given_as_target(tmp_path, capsys):
         assert f"error: --target {drafter} is a drafter directory" in err, (name, err)
         hint = "give it where a drafter goes" if name == "distill" else "pass it as --drafter"
         assert hint in err and "Traceback" not in err, (name, err)
+
+
+def test_cli_acceptance_on_a_tensor_mesh_equals_one_device(workspace, tmp_path):
+    """Greedy acceptance with ``--tensor 2`` records the same rounds as on one device."""
+    cfg = workspace["drafters"]["dspark"]
+    d = make_drafter(cfg, workspace["config"])
+    path = tmp_path / "dspark"  # not the module's drafter directory, which others calibrate
+    save_drafter(path, cfg, workspace["config"], init_drafter_params(d, jax.random.key(0)))
+    arrays = {}
+    for tensor in ("1", "2"):
+        out = tmp_path / f"tensor{tensor}.json"
+        argv = ["acceptance", "--target", str(workspace["target"]), "--drafter", str(path)]
+        argv += ["--prompts", str(workspace["root"] / "humaneval.jsonl"), "--temperature", "0"]
+        argv += ["--max-new-tokens", "12", "--slots", "2", "--max-prompt-tokens", "16"]
+        argv += ["--no-progress", "--tensor", tensor, "--out", str(out)]
+        assert main(argv) == 0
+        assert json.loads(out.read_text())["config"]["args"]["tensor"] == int(tensor)
+        arrays[tensor] = np.load(out.with_suffix(".rounds.npz"))
+    for key in ("0/accepted", "0/verified"):
+        np.testing.assert_array_equal(arrays["1"][key], arrays["2"][key])

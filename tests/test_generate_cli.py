@@ -194,3 +194,23 @@ def test_module_entry_point(model_dirs, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert len(_read(out)) == len(PROMPTS)
+
+
+def test_greedy_cli_on_a_tensor_mesh_matches_one_device(model_dirs):
+    """``--tensor 2``: the target is read straight onto 2 devices and the drafter placed
+    by the same rules; the greedy tokens are autoregressive decoding's on one device."""
+    d = model_dirs
+    out = str(d["root"] / "tensor2.jsonl")
+    flags = ["--max-new-tokens", "10", "--slots", "2", "--max-len", "64", "--prompt-style", "raw"]
+    assert main(_argv(d, out, *flags, "--tensor", "2")) == 0
+    tok = Tokenizer(d["target"])
+    ids = [tok.encode(p) for p in PROMPTS]
+    ref = ar_generate(Qwen3(d["cfg"]), d["params"], ids, 10, max_len=64, eos_id=tok.eos_id)
+    assert [x["tokens"] for x in _read(out)] == ref.tokens
+
+
+def test_data_parallel_is_refused_by_name(model_dirs, capsys):
+    d = model_dirs
+    rc = main(_argv(d, str(d["root"] / "data2.jsonl"), "--data", "2"))
+    err = capsys.readouterr().err
+    assert rc == 2 and "--data 2: data-parallel decoding" in err and "Traceback" not in err

@@ -38,6 +38,9 @@ class LoadedTarget:
     config: Qwen3Config
     tokenizer: Tokenizer
     path: str
+    # The device mesh the weights were read onto (None: one device). Decoders built for
+    # this target run on it (``SpeculativeDecoder(mesh=...)``).
+    mesh: Any = None
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -100,7 +103,9 @@ def load_target(
         from dspark_jax.convert.hf_mesh import hf_dir_fingerprint, load_hf_to_mesh
 
         config, params = load_hf_to_mesh(d, mesh, dtype=dtype)
-        loaded = LoadedTarget(Qwen3(config), params, config, tokenizer, os.fspath(target_dir))
+        loaded = LoadedTarget(
+            Qwen3(config), params, config, tokenizer, os.fspath(target_dir), mesh=mesh
+        )
         loaded.fingerprint = hf_dir_fingerprint(d)  # from the files, not a gathered table
     else:
         config, params = load_hf(d, dtype=dtype)

@@ -78,6 +78,7 @@ from dspark_jax.data.corpus import (
     read_metadata,
 )
 from dspark_jax.data.pipeline import read_batches
+from dspark_jax.decode.mesh import add_mesh_arguments, mesh_from_args
 from dspark_jax.models.fingerprint import weights_fingerprint
 from dspark_jax.tokenizer import Tokenizer
 
@@ -241,17 +242,37 @@ GenerateFn = Callable[[list[tuple[int, ...]], int, float], list[list[int]]]
 
 
 def make_generate_fn(
-    model, params, *, max_new_tokens: int, eos_id: int, max_len: int
+    model, params, *, max_new_tokens: int, eos_id: int, max_len: int, mesh=None
 ) -> GenerateFn:
     """``fn(prompts, seed, temperature) -> generated ids per prompt`` over the jitted AR
-    sampler (the temperature is traced: greedy and sampled batches share one program)."""
+    sampler (the temperature is traced: greedy and sampled batches share one program).
+    ``mesh``: run it tensor-parallel there, the weights placed by the logical-axis rules
+    (``decode.mesh``; already-placed weights, as ``load_target(mesh=)`` reads them, stay)."""
+    import contextlib
+
     import jax
 
+    from dspark_jax.decode import mesh as mesh_lib
     from dspark_jax.decode.autoregressive import generate
+    from dspark_jax.sharding import rules_context
 
-    params = jax.device_put(params)  # once, not on every call
+    if mesh is None:
+        params = jax.device_put(params)  # once, not on every call
+        context = contextlib.nullcontext
+    else:
+        params = mesh_lib.place_params(params, mesh_lib.target_layout(model.config, mesh), "target")
+
+        def context():
+            stack = contextlib.ExitStack()
+            stack.enter_context(jax.set_mesh(mesh))
+            stack.enter_context(rules_context(mesh))
+            return stack
 
     def fn(prompts, seed, temperature):
+        with context():
+            return _generate_tokens(prompts, seed, temperature)
+
+    def _generate_tokens(prompts, seed, temperature):
         out = generate(
             model,
             params,
@@ -443,6 +464,7 @@ def distill(
     progress: bool = False,
     overwrite: bool = False,
     keep_work: bool = False,
+    mesh=None,
 ) -> dict:
     """Builds the distillation dataset into ``out_dir``; returns a JSON-able summary.
 
@@ -493,7 +515,7 @@ def distill(
     t_start = time.perf_counter()
     gen = make_generate_fn(
         model, params, max_new_tokens=s.max_new_tokens, eos_id=tokenizer.eos_id,
-        max_len=max_len,
+        max_len=max_len, mesh=mesh,
     )  # fmt: skip
     timing = {"calls": 0, "eos_id": tokenizer.eos_id}
     timing.update(first_seconds=0.0, first_tokens=0, steady_seconds=0.0, steady_tokens=0)
@@ -634,6 +656,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true", help="discard earlier output/progress")
     p.add_argument("--keep-work", action="store_true", help="keep the chunk files")
     p.add_argument("--no-progress", action="store_true")
+    add_mesh_arguments(p)
     return p.parse_args(argv)
 
 
@@ -652,7 +675,7 @@ def main(argv=None) -> int:
         settings.validate()
         # distillation reads only the target: a drafter given as it is named, with no
         # --drafter to point at
-        target = load_target(args.target, drafter_flag=None)
+        target = load_target(args.target, drafter_flag=None, mesh=mesh_from_args(args))
         model, params, tokenizer = target.module, target.params, target.tokenizer
         # TFDS prints to stdout; keep stdout for the JSON summary.
         with contextlib.redirect_stdout(sys.stderr):
@@ -660,7 +683,7 @@ def main(argv=None) -> int:
                 model, params, tokenizer, args.corpus_dir, args.out_dir, settings,
                 target_id=str(Path(args.target).resolve()), corpus_name=args.corpus_name,
                 progress=not args.no_progress, overwrite=args.overwrite,
-                keep_work=args.keep_work,
+                keep_work=args.keep_work, mesh=target.mesh,
             )  # fmt: skip
         print(json.dumps(summary, indent=2))
 

@@ -25,19 +25,26 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
-from dspark_jax.sharding import make_mesh, param_shardings, unboxed
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+# JAX is imported inside the functions: serve.py and the other entry points parse their
+# flags (``add_mesh_arguments``) before the seconds-long JAX import, so --help and a bad
+# flag answer at once.
 
 
 def decode_mesh(data: int = 1, tensor: int = 1, devices=None) -> Mesh | None:
     """The mesh for ``data`` × ``tensor`` devices (the first ``data·tensor`` of
     ``devices``, default ``jax.devices()``), or None for one device. Errors name the
     problem and what to try."""
+    import jax
+
+    from dspark_jax.sharding import make_mesh
+
     for name, n in (("data", data), ("tensor", tensor)):
         if not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"--{name} must be a positive integer, got {n!r}")
@@ -77,6 +84,8 @@ def mesh_from_args(args: argparse.Namespace) -> Mesh | None:
 
 def describe(mesh: Mesh | None) -> dict:
     """The mesh as ``/metrics`` and result files report it."""
+    import jax
+
     if mesh is None:
         dev = jax.devices()[0]
         return {"data": 1, "tensor": 1, "devices": 1, "platform": dev.platform}
@@ -91,7 +100,11 @@ def describe(mesh: Mesh | None) -> dict:
 def target_layout(config, mesh: Mesh):
     """``(shapes, shardings)`` of the target's parameters: abstract leaves and their
     ``NamedSharding`` by the rules table (as training places the frozen target)."""
+    import jax
+    import jax.numpy as jnp
+
     from dspark_jax.models.qwen3 import Qwen3
+    from dspark_jax.sharding import param_shardings, unboxed
 
     boxed = jax.eval_shape(
         lambda: Qwen3(config).init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32))["params"]
@@ -101,7 +114,10 @@ def target_layout(config, mesh: Mesh):
 
 def drafter_layout(drafter, mesh: Mesh):
     """``(shapes, shardings)`` of the drafter's parameters by the rules table."""
+    import jax
+
     from dspark_jax.models.drafters import init_drafter_params
+    from dspark_jax.sharding import param_shardings, unboxed
 
     boxed = jax.eval_shape(lambda: init_drafter_params(drafter, jax.random.key(0)))
     return unboxed(boxed), param_shardings(boxed, mesh)
@@ -111,6 +127,8 @@ def place_params(params, layout, what: str):
     """``params`` on the shardings of ``layout`` (``(shapes, shardings)``; leaves already
     there stay put). A tree whose names or shapes differ from the model's is refused with
     the first difference named, not with a JAX traceback."""
+    import jax
+
     shapes, shardings = layout
     if jax.tree_util.tree_structure(shapes) != jax.tree_util.tree_structure(params):
         raise ValueError(
@@ -132,6 +150,8 @@ def place_params(params, layout, what: str):
 
 
 def _leaf_paths_diff(have, want) -> str:
+    import jax
+
     pa = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(have)}
     pb = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(want)}
     extra, missing = sorted(pa - pb)[:3], sorted(pb - pa)[:3]
@@ -141,6 +161,9 @@ def _leaf_paths_diff(have, want) -> str:
 def per_device_bytes(tree) -> int:
     """Bytes one device holds of ``tree`` (placed arrays or sharded ShapeDtypeStructs): the
     largest shard of each leaf, summed."""
+    import jax
+    import jax.numpy as jnp
+
     total = 0
     for x in jax.tree.leaves(tree):
         shape = np.shape(x)
@@ -156,6 +179,8 @@ def check_fits(decoder, device_bytes: int | None = None, headroom: float = 0.9) 
     anything is compiled: ``device_bytes`` per device (default: the device's own limit,
     where the runtime reports one; the CPU reports none, so nothing is checked there).
     The error gives the figures and what to try."""
+    import jax
+
     if device_bytes is None:
         dev = (jax.devices() if decoder.mesh is None else decoder.mesh.devices.flat)[0]
         stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_jax.decode.mesh import add_mesh_arguments, mesh_from_args
+
 # 20 ECE bins need ~10 rounds each before a bin's accuracy means anything.
 MIN_FIT_ROUNDS = 200
 # Warn when a perfectly calibrated head would itself show this mean ECE on the reporting
@@ -49,6 +51,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "--max-prompt-tokens", type=int, default=512, help="longer prompts keep their last N tokens"
     )
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    add_mesh_arguments(p)
     p.add_argument(
         "--prompt-style",
         default="auto",
@@ -178,7 +181,7 @@ def cmd_acceptance(args) -> int:
     sets = _load_sets(args)
     n = sum(len(ps) for ps in sets.values())
     _say(f"loading target {args.target} and {len(args.drafter)} drafter(s)")
-    target = load_target(args.target)
+    target = load_target(args.target, mesh=mesh_from_args(args))
     _say(f"decoding {n} prompts per drafter and temperature (the first rounds compile)")
     labels = [Path(d).name or d for d in args.drafter]
     if len(set(labels)) != len(labels):  # same directory name in different places
@@ -232,7 +235,7 @@ def cmd_calibrate(args) -> int:
         fit_prompts += f
         held_prompts += h
     _say(f"loading target {args.target} and drafter {args.drafter}")
-    target = load_target(args.target)
+    target = load_target(args.target, mesh=mesh_from_args(args))
     spec = load_drafter_dir(args.drafter, target)
     if not spec.has_confidence:
         raise ValueError(

@@ -121,7 +121,9 @@ def make_decoder(
         eos_id=target.tokenizer.eos_id,
     )
     # STS off while decoding: the fixed arm ignores confidences, and raw logits are needed.
-    return SpeculativeDecoder(target.module, target.params, drafter.module, drafter.params, cfg)
+    return SpeculativeDecoder(
+        target.module, target.params, drafter.module, drafter.params, cfg, mesh=target.mesh
+    )
 
 
 def collect_rounds(

@@ -50,6 +50,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from dspark_jax.decode.mesh import check_fits
+from dspark_jax.decode.mesh import describe as describe_mesh
 from dspark_jax.decode.pages import PagePool
 from dspark_jax.decode.policy import RoundPolicy
 from dspark_jax.decode.step import FINISH_NONE, SpeculativeDecoder, request_key_data
@@ -100,6 +102,7 @@ class Engine(Service):
         config: EngineConfig | None = None,
         sts=None,
         listener=None,
+        mesh=None,
     ):
         super().__init__()
         self.config = cfg = config or EngineConfig()
@@ -122,7 +125,10 @@ class Engine(Service):
             cfg.step_config(scheduler, tokenizer.eos_id),
             sts_temperatures=None if sts is None else sts.temperatures,
             sts_biases=None if sts is None else sts.biases,
+            mesh=mesh,  # tensor parallel (decode/mesh.py); None: one device
         )
+        check_fits(self.decoder)  # before compiling: an error that says what to try
+        self.mesh = describe_mesh(mesh)
         self.gamma = self.decoder.gamma
         # Verify buckets, the budget rule, two-phase Algorithm 1 and warm-up of the rounds:
         # the same policy the offline runner uses (decode/policy.py).
@@ -173,11 +179,14 @@ class Engine(Service):
         # The serving state starts clean (no slot active).
         self._state = self.decoder.init_state(self.config.seed)
         log.info(
-            "engine warm: prompt buckets %s, verify buckets %s, attention %s, KV pool %d "
-            "pages of %d tokens, %.1fs",
+            "engine warm: prompt buckets %s, verify buckets %s, attention %s, mesh data %d x "
+            "tensor %d (%s), KV pool %d pages of %d tokens, %.1fs",
             self.prompt_buckets,
             self.verify_buckets,
             self.attention_backend,
+            self.mesh["data"],
+            self.mesh["tensor"],
+            self.mesh["platform"],
             self.pages.capacity,
             self.pages.page_size,
             time.perf_counter() - t0,

@@ -9,12 +9,14 @@ from dspark_jax.convert.loading import load_drafter_dir, load_target
 from dspark_jax.models.qwen3 import Qwen3
 
 
-def load_models(target_dir: str, drafter_dir: str | None = None, dtype=None):
+def load_models(target_dir: str, drafter_dir: str | None = None, dtype=None, mesh=None):
     """``(target, target_params, tokenizer, drafter, drafter_params, sts)`` from a Hugging
     Face Qwen3 directory and an optional drafter directory (``sts``: its calibration from
     ``sts.json``, or None). ``dtype`` (a name: float32, bfloat16, float16) sets the
-    weights and the compute dtype of both models (None: as the loaders read them)."""
-    target = load_target(target_dir, dtype=dtype, check_tokenizer=False)  # Engine checks
+    weights and the compute dtype of both models (None: as the loaders read them).
+    ``mesh``: the target's weights are read straight onto it (``decode.mesh``); pass the
+    same mesh to ``Engine``."""
+    target = load_target(target_dir, dtype=dtype, check_tokenizer=False, mesh=mesh)
     if dtype is not None:  # the loader casts the weights; compute in the same dtype
         config = target.config.replace(dtype=target.config.param_dtype)
         target = dataclasses.replace(target, module=Qwen3(config), config=config)

@@ -103,6 +103,12 @@ class EngineMetrics:
             ["backend"],
             registry=r,
         )
+        self.mesh = Gauge(
+            "dspark_mesh_devices",
+            "Devices the engine decodes on (data replicas x tensor split)",
+            ["data", "tensor", "platform"],
+            registry=r,
+        )
         if engine is not None:
             self.attach(engine)
 
@@ -123,6 +129,8 @@ class EngineMetrics:
         )
         self.page_waits.set_function(lambda: engine.stats.page_waits)
         self.attention.labels(engine.attention_backend).set(1)
+        m = engine.mesh
+        self.mesh.labels(str(m["data"]), str(m["tensor"]), m["platform"]).set(m["devices"])
 
     # -- engine listener hooks (engine thread) ---------------------------------------------
     def on_round(self, seconds: float, budget: int, taus, verified: int) -> None:

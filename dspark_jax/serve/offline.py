@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dspark_jax.decode.mesh import decode_mesh
 from dspark_jax.serve.chat import ChatTemplate, load_chat_template, parse_messages
 from dspark_jax.serve.config import EngineConfig
 from dspark_jax.serve.engine import Engine
@@ -30,33 +31,46 @@ __all__ = ["LLM"]
 class LLM:
     """A started engine for offline batches; see the module docstring.
 
-    ``target`` / ``drafter``: model directories (``drafter=None``: no speculation); the
-    remaining keywords are ``EngineConfig`` fields (``num_slots``, ``max_len``,
-    ``scheduler``, ...). ``compile_cache``: True (the default directory), a directory, or
-    False.
+    ``target`` / ``drafter``: model directories (``drafter=None``: no speculation);
+    ``tensor`` / ``data``: the device mesh (``decode.mesh``, as ``serve.py --tensor``;
+    default one device); the remaining keywords are ``EngineConfig`` fields
+    (``num_slots``, ``max_len``, ``scheduler``, ...). ``compile_cache``: True (the default
+    directory), a directory, or False.
     """
 
-    def __init__(self, target: str, drafter: str | None = None, *, compile_cache=True, **config):
+    def __init__(
+        self,
+        target: str,
+        drafter: str | None = None,
+        *,
+        tensor: int = 1,
+        data: int = 1,
+        compile_cache=True,
+        **config,
+    ):
         if compile_cache:
             from dspark_jax.compile_cache import enable_compile_cache
 
             enable_compile_cache(None if compile_cache is True else compile_cache)
-        models = load_models(target, drafter)
+        mesh = decode_mesh(data=data, tensor=tensor)
+        models = load_models(target, drafter, mesh=mesh)
         if drafter is None:
             config.setdefault("scheduler", "none")
-        self._start(models, EngineConfig(**config), load_chat_template(target))
+        self._start(models, EngineConfig(**config), load_chat_template(target), mesh)
 
     @classmethod
-    def from_models(cls, models, config: EngineConfig, chat_template: ChatTemplate | None = None):
+    def from_models(
+        cls, models, config: EngineConfig, chat_template: ChatTemplate | None = None, mesh=None
+    ):
         """An ``LLM`` over models already in memory: ``(target, target_params, tokenizer,
         drafter, drafter_params, sts)`` as ``serve.loading.load_models`` returns them."""
         llm = cls.__new__(cls)
-        llm._start(models, config, chat_template)
+        llm._start(models, config, chat_template, mesh)
         return llm
 
-    def _start(self, models, config: EngineConfig, chat_template) -> None:
+    def _start(self, models, config: EngineConfig, chat_template, mesh=None) -> None:
         target, tp, tok, drafter, dp, sts = models
-        self.engine = Engine(target, tp, tok, drafter, dp, config, sts=sts).start()
+        self.engine = Engine(target, tp, tok, drafter, dp, config, sts=sts, mesh=mesh).start()
         self.chat_template = chat_template
 
     def generate(
