@@ -13,6 +13,7 @@ from dspark_jax.data import distill as D
 from dspark_jax.data.corpus import HELDOUT, TRAIN, prepare_corpus
 from dspark_jax.data.tokenizer_train import train_bpe_tokenizer
 from dspark_jax.decode.autoregressive import generate
+from dspark_jax.decode.mesh import decode_mesh
 from dspark_jax.models.presets import PRESETS
 from dspark_jax.models.qwen3 import Qwen3
 
@@ -377,3 +378,16 @@ def test_reader_errors(greedy, tmp_path):
         D.make_distill_batches(greedy["out"], "dev", 16, 2, 0)
     with pytest.raises(ValueError, match="seq_len"):
         D.make_distill_batches(greedy["out"], TRAIN, 1, 2, 0)
+
+
+def test_greedy_distill_on_a_tensor_mesh_writes_the_same_records(env, greedy, tmp_path):
+    """``--tensor 2``: the weights split over two devices, the same records (greedy)."""
+    s = greedy["settings"]
+    out = tmp_path / "tensor2"
+    D.distill(
+        env["model"], env["params"], env["tok"], env["corpus"], out, s,
+        mesh=decode_mesh(tensor=2),
+    )  # fmt: skip
+    for split in (TRAIN, HELDOUT):
+        want = [r["tokens"].tolist() for r in _records(greedy["out"], split)]
+        assert [r["tokens"].tolist() for r in _records(out, split)] == want
