@@ -1,0 +1,133 @@
+"""What a tensor-parallel mesh costs on the host: the same offline generation (the bundled
+target + DSpark drafter, greedy, the decoder's own host loop) on one device and on
+``tensor`` 2 and 4 of 8 fake CPU devices, arms interleaved in one process.
+
+    python benchmarks/mesh_overhead.py                 # writes benchmarks/results/mesh_overhead.{json,md}
+
+Fake devices share this machine's cores, so a meshed run cannot be faster here: the ratio
+bounds the overhead of the mesh (sharded dispatch, collectives emulated on the host), not
+the speed-up a TPU slice gives. Each arm is warmed up (every bucket compiled) before the
+timed repeats; the report gives each arm's median wall time, tokens/s and its ratio to one
+device, and checks that every arm produced the same tokens.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=os.path.join(REPO, "assets", "target"))
+    p.add_argument("--drafter", default=os.path.join(REPO, "assets", "drafters", "dspark"))
+    p.add_argument("--tensors", default="1,2,4", help="tensor sizes, comma-separated")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--slots", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=os.path.join(RESULTS, "mesh_overhead"))
+    args = p.parse_args(argv)
+    sys.path.insert(0, REPO)
+
+    import jax
+
+    from dspark_jax.convert.loading import load_drafter_dir, load_target
+    from dspark_jax.decode.mesh import decode_mesh
+    from dspark_jax.decode.runner import Request, Runner
+    from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
+
+    tensors = [int(t) for t in args.tensors.split(",")]
+    texts = [f"def function_{i}(x, y):\n    " for i in range(args.prompts)]
+    arms = {}
+    for t in tensors:
+        mesh = decode_mesh(tensor=t)
+        target = load_target(args.target, mesh=mesh)
+        drafter = load_drafter_dir(args.drafter, target)
+        ids = [target.tokenizer.encode(s) for s in texts]
+        cfg = StepConfig(num_slots=args.slots, max_len=128, scheduler="fixed",
+                         eos_id=-1)  # fmt: skip
+        dec = SpeculativeDecoder(
+            target.module, target.params, drafter.module, drafter.params, cfg, mesh=mesh
+        )
+        runner = Runner(dec)
+        runner.warmup([16])
+        requests = [Request(p, args.max_new_tokens) for p in ids]
+        runner.generate(requests)  # every occupancy level's bucket compiled
+        arms[t] = (runner, requests)
+    walls = {t: [] for t in tensors}
+    tokens = {}
+    for _ in range(args.repeats):
+        for t in tensors:  # interleaved: drift on a shared machine hits every arm alike
+            runner, requests = arms[t]
+            t0 = time.perf_counter()
+            res, stats = runner.generate(requests)
+            walls[t].append(time.perf_counter() - t0)
+            tokens[t] = [r.tokens for r in res]
+            n_tokens = stats.generated_tokens
+    base = statistics.median(walls[tensors[0]])
+    rows = []
+    for t in tensors:
+        wall = statistics.median(walls[t])
+        rows.append({
+            "tensor": t,
+            "median_seconds": round(wall, 4),
+            "tokens_per_second": round(n_tokens / wall, 1),
+            "ratio_to_one_device": round(wall / base, 3),
+            "same_tokens_as_one_device": tokens[t] == tokens[tensors[0]],
+        })  # fmt: skip
+    report = {
+        "command": "python benchmarks/mesh_overhead.py " + " ".join(argv or sys.argv[1:]),
+        "jax": jax.__version__,
+        "devices": f"{jax.device_count()} fake {jax.devices()[0].platform} devices",
+        "cpu_cores": os.cpu_count(),
+        "prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "slots": args.slots,
+        "scheduler": "fixed (γ = the drafter's)",
+        "repeats": args.repeats,
+        "generated_tokens": n_tokens,
+        "arms": rows,
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+    lines = [
+        "# Tensor-parallel mesh overhead on CPU (fake devices)",
+        "",
+        f"Produced by `{report['command'].strip()}` ({report['devices']}, "
+        f"{report['cpu_cores']} cores, jax {report['jax']}). Bundled target + DSpark drafter, "
+        f"greedy, {args.prompts} prompts × {args.max_new_tokens} tokens, {args.slots} slots, "
+        f"median of {args.repeats} interleaved runs after warm-up. Fake devices share the "
+        "cores: the ratio bounds the mesh's overhead, not a speed-up.",
+        "",
+        "| tensor | median s | tokens/s | × one device | same tokens |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['tensor']} | {r['median_seconds']:.3f} | {r['tokens_per_second']:.1f} | "
+            f"{r['ratio_to_one_device']:.2f} | {'yes' if r['same_tokens_as_one_device'] else 'no'} |"
+        )
+    with open(args.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
