@@ -48,8 +48,8 @@ def main(argv=None) -> int:
 
     from dspark_jax.convert.loading import load_drafter_dir, load_target
     from dspark_jax.decode.mesh import decode_mesh
-    from dspark_jax.decode.runner import Request, Runner
     from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
+    from dspark_jax.engine.offline import Request, Runner
 
     tensors = [int(t) for t in args.tensors.split(",")]
     texts = [f"def function_{i}(x, y):\n    " for i in range(args.prompts)]

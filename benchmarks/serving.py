@@ -168,7 +168,7 @@ def cost_model(engine, per_round_repeats: int) -> dict:
     this arm: the engine's shapes, the SPS table its scheduler used (profiled now, after the
     levels, for arms that do not profile at warm-up) and measured prefill seconds per
     compiled (rows, prompt bucket)."""
-    from dspark_jax.decode.runner import profile_decoder_sps
+    from dspark_jax.engine.offline import profile_decoder_sps
 
     table = engine.sps_table
     if table is None:

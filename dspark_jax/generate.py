@@ -128,8 +128,8 @@ def run(args: argparse.Namespace) -> dict:
     import flax.linen as nn
 
     from dspark_jax.convert.loading import load_drafter_dir, load_target
-    from dspark_jax.decode.runner import Request, Runner
     from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
+    from dspark_jax.engine.offline import Request, Runner
     from dspark_jax.sched import sps as sps_lib
 
     _check_args(args)

@@ -26,8 +26,8 @@ from test_decode_step import (
 from test_decode_step import target as target  # noqa: F401 (the module fixture)
 
 from dspark_jax.decode import mesh as mesh_lib
-from dspark_jax.decode.runner import Request, Runner
 from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
+from dspark_jax.engine.offline import Request, Runner
 from dspark_jax.testing import xla_compilations
 
 MAX_LEN = 48

@@ -11,8 +11,8 @@ import pytest
 from scipy import stats
 
 from dspark_jax.decode.autoregressive import generate as ar_generate
-from dspark_jax.decode.runner import Request, Runner
 from dspark_jax.decode.step import SpeculativeDecoder, StepConfig, request_key_data
+from dspark_jax.engine.offline import Request, Runner
 from dspark_jax.models.draft_api import DraftContext, SamplingSettings
 from dspark_jax.models.drafters import DrafterConfig, init_drafter_params, make_drafter
 from dspark_jax.models.presets import PRESETS

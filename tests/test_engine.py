@@ -343,7 +343,7 @@ def test_host_never_waits_on_the_round_in_flight(setup):
     No host callback gates the rounds: since jax 0.12 a jitted callback whose input is
     still being computed blocks the thread that dispatches it, so a gate would make the
     harness, not the engine, wait."""
-    import dspark_jax.serve.engine as engine_module
+    import dspark_jax.engine.core as engine_module  # the host core the engine drives
 
     tok, _, _, engine = setup
     _wait_idle(engine)
@@ -393,7 +393,7 @@ def test_host_never_waits_on_the_round_in_flight(setup):
         return real_device_get(x)
 
     dec.round = slow_round
-    engine_module.jax.device_get = logged_device_get  # the engine's one read point
+    engine_module.jax.device_get = logged_device_get  # the core's one read point
     try:
         engine.generate(PROMPTS[0], SamplingParams(max_tokens=2), timeout=120)  # compiles
         assert engine.wait_idle(30)
@@ -527,3 +527,19 @@ def test_restart_reuses_the_sps_profile_of_the_same_shapes(setup, tmp_path, capl
     same = Engine(target, tp, tok, drafter, dp, config())
     other = Engine(target, tp, tok, drafter, dp, config(page_size=8))
     assert same.shapes.sps_cache_key() == key != other.shapes.sps_cache_key()
+
+
+def test_the_server_and_the_offline_runner_drive_one_core(setup):
+    """The split of vLLM's EngineCore / LLM / AsyncLLM: one host core (engine/core.py),
+    pipelined under the server, read round by round offline; same prefill shapes and
+    verify buckets for the same decoder."""
+    from dspark_jax.engine.core import EngineCore
+    from dspark_jax.engine.offline import Runner
+
+    _, _, _, engine = setup
+    runner = Runner(engine.decoder, buckets=engine.verify_buckets)
+    assert type(engine.core) is type(runner.core) is EngineCore
+    assert engine.core.pipelined and not runner.core.pipelined
+    assert runner.core.policy.buckets == engine.core.policy.buckets
+    assert engine.core.prefill.prompt_buckets == runner.core.prefill.prompt_buckets
+    assert engine.pages is engine.core.pages and engine.policy is engine.core.policy

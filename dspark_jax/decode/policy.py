@@ -1,8 +1,8 @@
 """The round policy: which compiled shape each decode round runs (DESIGN §5.3).
 
-One object, used by both host loops (the offline ``decode.runner.Runner`` and the serving
-``serve.engine.Engine``), so offline evaluation and serving verify the same shapes for the
-same scheduler:
+One object, in the one host core (``engine.core.EngineCore``) that the offline runner and
+the serving engine both drive, so offline evaluation and serving verify the same shapes
+for the same scheduler:
 
 * verify buckets: compiled budgets ``K`` (draft tokens per round). ``none`` verifies only
   the anchors (``K = 0``); every other arm gets ``default_buckets`` (or the caller's) plus

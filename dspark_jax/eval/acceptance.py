@@ -5,7 +5,7 @@ so that acceptance labels are never censored by a scheduler, with STS off while 
 (temperatures do not change a fixed-block run; the raw logits are recovered from the
 recorded survival and any ``sts.json`` is applied offline, giving raw *and* calibrated
 metrics from one run). Prompts are batched over ``slots`` request slots of one jitted
-decode round (continuous batching via :class:`dspark_jax.decode.runner.Runner`).
+decode round (continuous batching via :class:`dspark_jax.engine.offline.Runner`).
 
 Programmatic use::
 
@@ -32,8 +32,8 @@ import jax
 import numpy as np
 
 from dspark_jax.convert.loading import LoadedDrafter, LoadedTarget
-from dspark_jax.decode.runner import Request, Runner
 from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
+from dspark_jax.engine.offline import Request, Runner
 from dspark_jax.eval import calibration as cal
 from dspark_jax.eval import metrics
 from dspark_jax.eval.prompts import Prompt

@@ -8,37 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable
 
 import jax
 import numpy as np
 
-from dspark_jax.decode.autoregressive import length_bucket
 from dspark_jax.decode.policy import RoundPolicy
 from dspark_jax.decode.step import SpeculativeDecoder, request_key_data
+from dspark_jax.engine.prefill import MIN_PROMPT_BUCKET, PrefillBatcher, PrefillRow
 from dspark_jax.sched import sps as sps_lib
 
 __all__ = ["MIN_PROMPT_BUCKET", "PrefillRow", "ServingShapes"]
 
-
-class PrefillRow(NamedTuple):
-    """One request's row of a prefill call."""
-
-    slot: int
-    ids: Sequence[int]
-    max_new: int
-    temperature: float
-    top_k: int
-    top_p: float
-    keys: np.ndarray  # its random stream, key data (``request_key_data``)
-    coupled: bool = False  # position-keyed verification (``decode.verify.verify_coupled``)
-    # Its page-table row (``decode.pages.PagePool.allocate``); None: the decoder's static
-    # row for the slot (the full-size pool), or the null page (warm-up, profiling).
-    pages: np.ndarray | None = None
-
-
-MIN_PROMPT_BUCKET = 16  # smallest prefill length bucket (autoregressive.length_bucket)
 
 Progress = Callable[[str, int, int, str], None]  # (phase, step, of, detail)
 
@@ -50,66 +31,39 @@ class ServingShapes:
     model_name, sps_cache, sps_repeats); warm-up prompts use the id after ``eos_id``.
     """
 
-    def __init__(self, decoder: SpeculativeDecoder, policy: RoundPolicy, config, eos_id: int):
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        policy: RoundPolicy,
+        config,
+        eos_id: int,
+        prefill: PrefillBatcher | None = None,
+    ):
         self.decoder = decoder
         self.policy = policy
         self.config = config
         self.dummy_id = eos_id + 1
-        self.prompt_buckets = self._prompt_buckets(config.max_len)
+        # The engine core's prefill shapes (engine/prefill.py), or the same built here.
+        self.prefill = prefill or PrefillBatcher(decoder, config.prefill_batch)
+        self.prompt_buckets = self.prefill.prompt_buckets
         self._baseline: int | None = None
 
     # -- shapes --------------------------------------------------------------------------
-    @staticmethod
-    def _prompt_buckets(max_len: int) -> tuple[int, ...]:
-        """Powers of two from 16, the last one capped at ``max_len`` (a prompt must leave
-        room for one generated token, so lengths up to ``max_len - 2`` are served)."""
-        out, b = [], MIN_PROMPT_BUCKET
-        while True:
-            out.append(min(b, max_len))
-            if b >= max_len:
-                return tuple(sorted(set(out)))
-            b *= 2
-
     def bucket_for(self, n: int) -> int:
-        return min(length_bucket(n, MIN_PROMPT_BUCKET), self.config.max_len)
+        return self.prefill.bucket_for(n)
 
     @property
     def max_prompt_tokens(self) -> int:
-        return self.config.max_len - 2
+        return self.prefill.max_prompt_tokens
 
     @property
     def prefill_rows(self) -> tuple[int, ...]:
         """Compiled prefill batch sizes: 1, and ``prefill_batch`` (capped at the slots)."""
-        return tuple(sorted({1, min(self.config.prefill_batch, self.config.num_slots)}))
+        return self.prefill.rows
 
     def prefill_many(self, state, rows):
-        """One prefill call for ``rows`` (``PrefillRow``s, at most ``max(prefill_rows)``):
-        prompts padded to the longest one's length bucket, the batch padded to a compiled
-        size with rows aimed at slot ``num_slots``, whose state writes are dropped
-        (out-of-range scatter) and whose K/V go to the null page."""
-        n = len(rows)
-        b = next(k for k in self.prefill_rows if k >= n)
-        t = max(self.bucket_for(len(r.ids)) for r in rows)
-        slots = np.full((b,), self.config.num_slots, np.int32)
-        prompts = np.zeros((b, t), np.int32)
-        lengths = np.ones((b,), np.int32)
-        max_new = np.ones((b,), np.int32)
-        temps = np.zeros((b,), np.float32)
-        top_k = np.zeros((b,), np.int32)
-        top_p = np.ones((b,), np.float32)
-        keys = np.stack([request_key_data(0, i) for i in range(b)])  # padding rows: any
-        coupled = np.zeros((b,), bool)
-        for i, (slot, ids, mn, temp, k, p, key, cpl, _) in enumerate(rows):
-            slots[i], lengths[i], max_new[i] = slot, len(ids), mn
-            prompts[i, : len(ids)] = ids
-            temps[i], top_k[i], top_p[i], keys[i], coupled[i] = temp, k, p, key, cpl
-        pages = self.decoder.static_page_rows(slots)
-        for i, row in enumerate(rows):
-            if row.pages is not None:
-                pages[i] = row.pages
-        return self.decoder.prefill(
-            state, slots, prompts, lengths, max_new, temps, top_k, top_p, keys, coupled, pages
-        )
+        """One prefill call for ``rows`` (``PrefillRow``s) in a compiled shape."""
+        return self.prefill.run(state, rows)
 
     def _fill_all_slots(self, state):
         """Prefill every slot with a short dummy prompt that keeps them active."""

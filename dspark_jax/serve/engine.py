@@ -1,11 +1,13 @@
 """Continuous-batching serving engine over fixed decode slots (DESIGN §5.2, §5.3, §6).
 
-One engine thread owns the ``SpeculativeDecoder`` state. Requests enter a bounded admission
-queue; the loop moves them into free slots (prefill: requests admitted together share
-calls of ``prefill_batch`` rows, prompts padded to a power-of-two length bucket), runs
-decode rounds for every occupied slot, streams the
-detokenised text to the request's consumer and frees the slot on EOS / stop string /
-max tokens / end of cache / cancellation.
+One engine thread drives the host core (``engine.core.EngineCore``, which the offline
+runner drives too): it owns the ``SpeculativeDecoder`` state, the slots and the KV page
+pool. Requests enter a bounded admission queue; each turn the loop hands them to the core,
+which moves them into free slots (prefill: requests admitted together share calls of
+``prefill_batch`` rows, prompts padded to a power-of-two length bucket) and runs decode
+rounds for every occupied slot; the engine streams the detokenised text of the core's
+events to the request's consumer, and the slot is freed on EOS / stop string / max tokens /
+end of cache / cancellation.
 
 Pipelining (why the budget comes from *two* rounds back): rounds are dispatched
 asynchronously. Round ``n+1`` is dispatched before the host fetches round ``n``'s output,
@@ -47,16 +49,12 @@ import logging
 import time
 from collections.abc import Sequence
 
-import jax
-import numpy as np
-
 from dspark_jax.decode.mesh import check_fits
 from dspark_jax.decode.mesh import describe as describe_mesh
-from dspark_jax.decode.pages import PagePool
-from dspark_jax.decode.policy import RoundPolicy
 from dspark_jax.decode.step import FINISH_NONE, SpeculativeDecoder, request_key_data
+from dspark_jax.engine.core import CoreRequest, Emitted, EngineCore, RoundDone
 from dspark_jax.sched import sps as sps_lib
-from dspark_jax.serve.compilation import PrefillRow, ServingShapes
+from dspark_jax.serve.compilation import ServingShapes
 from dspark_jax.serve.config import EngineConfig, EngineStats
 from dspark_jax.serve.delivery import (
     ActiveRequest,
@@ -130,27 +128,30 @@ class Engine(Service):
         check_fits(self.decoder)  # before compiling: an error that says what to try
         self.mesh = describe_mesh(mesh)
         self.gamma = self.decoder.gamma
-        # Verify buckets, the budget rule, two-phase Algorithm 1 and warm-up of the rounds:
-        # the same policy the offline runner uses (decode/policy.py).
-        self.policy = RoundPolicy(self.decoder, cfg.verify_buckets)
-        self.shapes = ServingShapes(self.decoder, self.policy, cfg, tokenizer.eos_id)
-        self.sps_table: sps_lib.SPSTable | None = None
-        # The KV page pool: a request reserves its pages at admission (decode/pages.py).
-        self.pages = PagePool(
-            self.decoder.num_pages, cfg.page_size, cfg.max_len, self.decoder.draft_positions
+        self.stats = EngineStats()
+        # The host core the offline runner drives too (engine/core.py): slots, the KV page
+        # pool (a request reserves its pages at admission), prefill shapes, the round
+        # policy (verify buckets, the budget rule, two-phase Algorithm 1), pipelined here.
+        self.core = EngineCore(
+            self.decoder,
+            cfg.verify_buckets,
+            prefill_batch=cfg.prefill_batch,
+            pipelined=True,
+            seed=cfg.seed,
+            times=self.stats,
         )
-        self._slot_pages: list[np.ndarray | None] = [None] * cfg.num_slots
-        self.waiting_for_pages = False  # the queue's head waits for pages, not a slot
+        self.policy = self.core.policy
+        self.pages = self.core.pages
+        self.shapes = ServingShapes(
+            self.decoder, self.policy, cfg, tokenizer.eos_id, self.core.prefill
+        )
+        self.sps_table: sps_lib.SPSTable | None = None
         self.attention_backend = self.decoder.attention
 
-        self.stats = EngineStats()
         self._ids = itertools.count()
+        # Submitted, not yet handed to the core (the loop moves them each turn).
         self._waiting: collections.deque[RequestHandle] = collections.deque()
-        self._slots: list[ActiveRequest | None] = [None] * cfg.num_slots
-        self._inflight: collections.deque = collections.deque()
         self.warmup_status: dict | None = None  # last warm-up progress (phase, step, of)
-        self._last_ready = 0.0
-        self._state = None
 
     # -- shapes, warm-up, profiling (serve/compilation.py) --------------------------------
     # Read-only views of the round policy and the compiled shapes.
@@ -177,7 +178,7 @@ class Engine(Service):
             self.sps_table = self.shapes.profile_sps(self._progress)
         self.shapes.warmup(self._progress)
         # The serving state starts clean (no slot active).
-        self._state = self.decoder.init_state(self.config.seed)
+        self.core.reset()
         log.info(
             "engine warm: prompt buckets %s, verify buckets %s, attention %s, mesh data %d x "
             "tensor %d (%s), KV pool %d pages of %d tokens, %.1fs",
@@ -260,7 +261,7 @@ class Engine(Service):
                 raise EngineClosed(
                     "the engine is shutting down" if self.failure is None else self.failure
                 )
-            if len(self._waiting) >= self.config.max_queue:
+            if self.queue_depth >= self.config.max_queue:
                 raise QueueFull(
                     f"admission queue is full ({self.config.max_queue} requests waiting)"
                 )
@@ -275,16 +276,25 @@ class Engine(Service):
     # -- introspection -------------------------------------------------------------------
     @property
     def queue_depth(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self.core.waiting)
 
     @property
     def active_slots(self) -> int:
-        return sum(a is not None for a in self._slots)
+        return self.core.active_slots
+
+    @property
+    def waiting_for_pages(self) -> bool:
+        """The queue's head waits for pages, not for a slot."""
+        return self.core.waiting_for_pages
+
+    @property
+    def _state(self):
+        return self.core.state
 
     @property
     def idle(self) -> bool:
         """Nothing queued, running or in flight."""
-        return not self._waiting and not self._inflight and self.active_slots == 0
+        return not self._waiting and not self.core.has_work
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until ``idle`` (True) or ``timeout`` seconds pass (False)."""
@@ -300,13 +310,16 @@ class Engine(Service):
         with self._lock:
             waiting = list(self._waiting)
             self._waiting.clear()
+        core = self.core
+        waiting += [r.tag.handle for r in core.waiting]
+        core.waiting.clear()
         for h in waiting:
             self._finish_unstarted(h, reason, message)
-        for s, a in enumerate(self._slots):
-            if a is not None:
-                self._finish(a, reason, error=message)
-                self._vacate(s)
-        self._inflight.clear()
+        core.inflight.clear()
+        for r in list(core.slots):
+            if r is not None:
+                self._finish(r.tag, reason, error=message)
+                core.end(r)
 
     def _finish_unstarted(self, h: RequestHandle, reason: str, message=None) -> None:
         res = unstarted_result(h, reason, message)
@@ -314,162 +327,74 @@ class Engine(Service):
         deliver_final(h, res)
 
     def _loop(self) -> None:
+        core = self.core
         while True:
-            admitted = []
             with self._lock:
                 t_idle = time.perf_counter()
-                while (
-                    not self._stop
-                    and not self._waiting
-                    and not self._inflight
-                    and self.active_slots == 0
-                ):
+                while not self._stop and not self._waiting and not core.has_work:
                     self._wake.wait()
                 self.stats.idle_seconds += time.perf_counter() - t_idle
                 if self._abort_all:
                     break
-                # Cancelled requests still waiting never touch the device.
-                for h in [h for h in self._waiting if h.cancelled]:
-                    self._waiting.remove(h)
-                    self._finish_unstarted(h, "cancelled")
-                free = [s for s, a in enumerate(self._slots) if a is None]
-                self.waiting_for_pages = False
-                while free and self._waiting:  # first come, first served
-                    h = self._waiting[0]
-                    row = self.pages.allocate(len(h.prompt_ids), h.params.max_tokens)
-                    if row is None:  # wait until a finished request frees pages
-                        self.waiting_for_pages = True
-                        self.stats.page_waits += 1
-                        break
-                    self._waiting.popleft()
-                    slot = free.pop(0)
-                    self._slot_pages[slot] = row
-                    admitted.append((slot, h))
-                if (
-                    self._stop
-                    and not self._waiting
-                    and not admitted
-                    and not self._inflight
-                    and self.active_slots == 0
-                ):
+                # Into the core, first come first served (it admits as slots and pages
+                # allow); cancelled requests still waiting never touch the device.
+                while self._waiting:
+                    h = self._waiting.popleft()
+                    if h.cancelled:
+                        self._finish_unstarted(h, "cancelled")
+                        continue
+                    core.add(CoreRequest(
+                        h.prompt_ids, h.params.max_tokens, h.params.temperature,
+                        h.params.top_k, h.params.top_p, h.keys, h.coupled,
+                        tag=ActiveRequest(h, self.tokenizer),
+                    ))  # fmt: skip
+                if self._stop and not core.has_work:
                     return
-            self._step(admitted)
+            self._turn()
         self._fail_everything("abort", "the server shut down before this request finished")
 
-    def _step(self, admitted) -> None:
+    def _turn(self) -> None:
+        core = self.core
+        for r in list(core.waiting):  # cancelled while queued in the core
+            if r.tag.handle.cancelled:
+                core.end(r)
+                self._finish_unstarted(r.tag.handle, "cancelled")
         # Host-side ends (cancellation) free their slot before this round.
-        for s, a in enumerate(self._slots):
-            if a is not None and a.handle.cancelled:
-                self._end_on_host(s, a, "cancelled")
-        group = max(self.prefill_rows)
-        t0 = time.perf_counter()
-        for start in range(0, len(admitted), group):
-            chunk = admitted[start : start + group]
-            rows = [
-                PrefillRow(slot, h.prompt_ids, h.params.max_tokens, h.params.temperature,
-                           h.params.top_k, h.params.top_p, h.keys, h.coupled,
-                           self._slot_pages[slot])
-                for slot, h in chunk
-            ]  # fmt: skip
-            self._state, pre = self.shapes.prefill_many(self._state, rows)
-            owners: list = [None] * len(self._slots)  # slot -> (request, batch row)
-            for i, (slot, h) in enumerate(chunk):
-                a = ActiveRequest(h, self.tokenizer)
-                self._slots[slot] = a
-                owners[slot] = (a, i)
-                self.stats.prompt_tokens += len(h.prompt_ids)
-            self._inflight.append(("prefill", pre, owners, 0, 0.0, -1))
-
-        owners = list(self._slots)
-        if any(a is not None for a in owners):
-            t_dispatch = time.perf_counter()
-            occupied = sum(a is not None for a in owners)
-            self._state, out, budget, index = self.policy.dispatch(self._state, occupied)
-            self._inflight.append(("round", out, owners, budget, t_dispatch, index))
-            # Two-phase Algorithm 1 waits for its plan inside dispatch: device time.
-            waited = self.policy.last_wait_seconds
-            self.stats.device_wait_seconds += waited
-            self.stats.dispatch_seconds += time.perf_counter() - t0 - waited
-            # Process everything older than the round just dispatched (overlaps with it).
-            while len(self._inflight) > 1:
-                self._process_oldest()
-        else:
-            self.stats.dispatch_seconds += time.perf_counter() - t0
-            while self._inflight:
-                self._process_oldest()
-
-    def _process_oldest(self) -> None:
-        # Popped only once processed, so ``idle`` never reads True while an output is
-        # still being fetched.
-        self._process(self._inflight[0])
-        self._inflight.popleft()
-
-    def _process(self, item) -> None:
-        t_wait = time.perf_counter()
-        out = jax.device_get(item[1])  # the only place the engine waits on the device
+        for r in list(core.slots):
+            if r is not None and r.tag.handle.cancelled:
+                core.end(r)
+                self._finish(r.tag, "cancelled")
+        events = core.step()  # admit, prefill, dispatch, read the round before (pipelined)
         t_host = time.perf_counter()
-        self.stats.device_wait_seconds += t_host - t_wait
         try:
-            self._process_output(item, out)
+            for ev in events:
+                if isinstance(ev, RoundDone):
+                    self.stats.record_round(ev.seconds, ev.budget, ev.taus)
+                    if self.listener is not None:
+                        self.listener.on_round(ev.seconds, ev.budget, ev.taus, ev.verified)
+                else:
+                    self._accept(ev)
         finally:
             self.stats.host_seconds += time.perf_counter() - t_host
 
-    def _process_output(self, item, out) -> None:
-        kind, _, owners, budget, t_dispatch, index = item
-        if kind == "prefill":
-            for s, entry in enumerate(owners):
-                if entry is None or entry[0].done:
-                    continue
-                a, i = entry
-                lps = (out.logprob[i : i + 1], out.top_ids[i : i + 1], out.top_logprobs[i : i + 1])
-                self._accept_tokens(s, a, [int(out.first_token[i])], int(out.finish[i]), lps)
-            return
-        now = time.perf_counter()
-        seconds = now - max(t_dispatch, self._last_ready)
-        self._last_ready = now
-        self.policy.observe(index, out.survival, [a is not None for a in owners])
-        taus = []
-        for s, a in enumerate(owners):
-            if a is None or a.done:
-                continue
-            n = int(out.num_emitted[s])
-            if n == 0 and int(out.finish[s]) == FINISH_NONE:
-                continue
-            a.count_round(n, int(out.verified[s]))
-            taus.append(n)
-            lps = (out.logprobs[s, :n], out.top_ids[s, :n], out.top_logprobs[s, :n])
-            tokens = [int(x) for x in out.tokens[s, :n]]
-            self._accept_tokens(s, a, tokens, int(out.finish[s]), lps)
-        self.stats.record_round(seconds, budget, taus)
-        if self.listener is not None:
-            self.listener.on_round(seconds, budget, taus, int(np.sum(out.verified)))
-
     # -- per-request host work -----------------------------------------------------------
-    def _accept_tokens(self, slot: int, a: ActiveRequest, tokens, code: int, lps) -> None:
-        """Stream emitted tokens (``lps``: their logprob arrays); free the slot if the
-        request ends with them."""
-        reason = a.emit(tokens, code, lps)
+    def _accept(self, ev: Emitted) -> None:
+        """Stream a request's emitted tokens; end it if they end it."""
+        a: ActiveRequest = ev.request.tag
+        if a.done:
+            return
+        if ev.round_index is None:
+            self.stats.prompt_tokens += len(ev.request.prompt)
+        elif ev.tokens or ev.finish != FINISH_NONE:
+            a.count_round(len(ev.tokens), ev.verified)
+        else:
+            return  # a slot that emitted nothing this round
+        reason = a.emit(ev.tokens, ev.finish, ev.logprobs)
         if reason is None:
             return
-        if code == FINISH_NONE:
-            self._end_on_host(slot, a, reason)  # the device slot is still running: free it
-        else:
-            self._vacate(slot)  # the device already deactivated the slot
-            self._finish(a, reason)
-
-    def _end_on_host(self, slot: int, a: ActiveRequest, reason: str) -> None:
-        """A request ended by the host (stop string, cancellation): free its slot now."""
-        self._state = self.decoder.release(self._state, slot)
-        self._vacate(slot)
+        if ev.finish == FINISH_NONE:
+            self.core.end(ev.request)  # a stop string: the device slot is still running
         self._finish(a, reason)
-
-    def _vacate(self, slot: int) -> None:
-        """The slot is free and its pages go back to the pool. Rounds still in flight
-        run before any later prefill, and the slot is inactive on the device by now, so
-        nothing writes those pages for their old owner again (decode/pages.py)."""
-        self._slots[slot] = None
-        self.pages.release(self._slot_pages[slot])
-        self._slot_pages[slot] = None
 
     def _finish(self, a: ActiveRequest, reason: str, error: str | None = None) -> None:
         if a.done:
