@@ -101,7 +101,7 @@ def _main(argv) -> int:
     if not args.aot and not args.workdir:
         parser.error("--workdir is required (except with --aot)")
 
-    from dspark_jax.train import aot
+    from dspark_jax import aot
     from dspark_jax.train import distributed as dist
 
     if args.aot_topology and args.aot_devices:

@@ -3,7 +3,7 @@ and of the serving decode round, from ahead-of-time compilation.
 
 Every row is one ``python train.py --config ... --aot`` run in its own process (so each can
 choose its devices), with nothing allocated: the numbers are XLA's per-device plan
-(``compiled.memory_analysis()``), see ``dspark_jax/train/aot.py``.
+(``compiled.memory_analysis()``), see ``dspark_jax/aot/``.
 
     python benchmarks/aot_memory.py [--quick] [--out benchmarks/results/aot_memory]
     python benchmarks/aot_memory.py --tpu v5p     # XLA:TPU for v5p slices (needs '.[tpu]')

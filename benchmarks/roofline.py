@@ -73,12 +73,12 @@ def parse_args(argv=None):
 
 
 def run(args) -> dict:
+    from dspark_jax import aot
     from dspark_jax.decode.policy import default_buckets
     from dspark_jax.models.drafter_config import DrafterConfig
     from dspark_jax.models.presets import get_preset
     from dspark_jax.perf import hlo_bytes
     from dspark_jax.perf import roofline as rl
-    from dspark_jax.train import aot
 
     chip = rl.chip_for_topology(args.topology)
     devices = aot.topology_devices(args.topology)

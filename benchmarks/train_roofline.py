@@ -4,7 +4,7 @@
     python benchmarks/train_roofline.py --case tiny_v5e4 --out /tmp/x   # seconds
 
 Each case compiles ``train.py``'s DSpark training step with XLA:TPU for a named topology
-(``train.aot``; libtpu on this host, nothing allocated), the frozen target's layers and
+(``dspark_jax.aot``; libtpu on this host, nothing allocated), the frozen target's layers and
 every scan unrolled so XLA's cost analysis counts every layer, and models it
 (``perf.train_roofline``): XLA's flops and bytes per chip beside the hand count, the
 splash kernel's attention modelled, the collectives' bytes over ICI, the modelled step
@@ -78,9 +78,9 @@ def load_case(name: str):
 
 
 def run_case(name: str, hlo_dir: str | None, reuse: bool) -> dict:
+    from dspark_jax import aot
     from dspark_jax.perf import train_roofline as tr
     from dspark_jax.perf.roofline import cost_of
-    from dspark_jax.train import aot
 
     cfg, topology, mesh_text = load_case(name)
     chip = topology.split(":")[0]

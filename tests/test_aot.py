@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation with memory reports (train/aot.py) and the remat flag.
+"""Ahead-of-time compilation with memory reports (dspark_jax/aot/) and the remat flag.
 
 The drafter step is the full DSpark recipe on the real Qwen3-0.6B shape (28 target layers,
 vocabulary 151936, 5 draft layers, Markov rank 256, γ = 7) with a short sequence and small
@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dspark_jax import aot
 from dspark_jax import sharding as shd
 from dspark_jax.config import ConfigError, load_config
 from dspark_jax.models.drafter_config import DrafterConfig
 from dspark_jax.models.drafters import init_drafter_params, make_drafter
 from dspark_jax.models.presets import get_preset
 from dspark_jax.models.qwen3 import Qwen3
-from dspark_jax.train import aot
 
 P = jax.sharding.PartitionSpec
 

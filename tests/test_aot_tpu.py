@@ -13,8 +13,8 @@ import re
 import jax
 import pytest
 
+from dspark_jax import aot
 from dspark_jax.config import load_config
-from dspark_jax.train import aot
 
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(
@@ -25,7 +25,7 @@ TINY_DRAFTER = os.path.join(REPO, "configs", "drafter_tiny.py") + ":dspark"
 
 
 def test_missing_libtpu_is_named(monkeypatch):
-    monkeypatch.setattr(aot, "libtpu_version", lambda: None)
+    monkeypatch.setattr(aot.topology, "libtpu_version", lambda: None)
     with pytest.raises(ValueError, match=r"needs libtpu.*pip install -e '\.\[tpu\]'"):
         aot.topology_devices("v5e:2x2")
 
@@ -212,7 +212,7 @@ def test_splash_attention_lowers_in_the_training_step():
         boxed = jax.eval_shape(
             lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
         )
-        params, _ = aot._abstract(boxed, mesh)
+        params, _ = aot.abstract_tree(boxed, mesh)
         tokens = jax.ShapeDtypeStruct((4, t), jnp.int32, sharding=NamedSharding(
             mesh, PartitionSpec(("data", "fsdp"), None)))  # fmt: skip
 

@@ -196,6 +196,7 @@ def test_module_entry_point(model_dirs, tmp_path):
     assert len(_read(out)) == len(PROMPTS)
 
 
+@pytest.mark.slow  # 45 s; eval's CLI runs a tensor mesh in the default suite
 def test_greedy_cli_on_a_tensor_mesh_matches_one_device(model_dirs):
     """``--tensor 2``: the target is read straight onto 2 devices and the drafter placed
     by the same rules; the greedy tokens are autoregressive decoding's on one device."""

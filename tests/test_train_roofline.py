@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from dspark_jax import aot
 from dspark_jax.config import load_config
 from dspark_jax.perf import train_roofline as tr
 from dspark_jax.perf.roofline import cost_of
 from dspark_jax.perf.train_cost import model_loops
-from dspark_jax.train import aot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None

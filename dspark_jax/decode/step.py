@@ -395,7 +395,7 @@ class SpeculativeDecoder:
     def state_shardings(self, mesh) -> DecodeState:
         """The ``NamedSharding`` of every field of the decode state on ``mesh``: the one
         layout of the state, for the serving round compiled ahead of time
-        (``train/aot.compile_serve_round``) and the roofline. The pools per
+        (``aot.compile_serve_round``) and the roofline. The pools per
         ``_POOL_AXES``; every per-slot field (``[R, ...]``) over the batch axes
         (``cache_slots``); a dimension the mesh does not divide stays whole
         (``sharding.logical_to_spec``)."""

@@ -178,7 +178,7 @@ def while_loops(hlo_text: str) -> int:
 def round_floor_bytes(per_device: dict[str, int], context_fraction: float = 1.0) -> dict:
     """Bytes per chip a decode round cannot avoid: every weight once, and each slot's KV
     cache and drafter context once up to its length (``context_fraction`` of ``max_len``).
-    ``per_device``: the AOT report's per-device sizes (``train/aot.py``), which follow the
+    ``per_device``: the AOT report's per-device sizes (``dspark_jax/aot/``), which follow the
     real shardings."""
     kv = per_device["kv_cache_bytes"] * context_fraction
     ctx = (per_device["state_bytes"] - per_device["kv_cache_bytes"]) * context_fraction

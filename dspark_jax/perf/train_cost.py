@@ -5,7 +5,7 @@ FLOPs, not equal steps): an EAGLE-3 step evaluates the LM head at every position
 of its γ unrolled steps, a DSpark step only at the supervised block positions, so equal
 steps gave EAGLE-3 ~1.9× the FLOPs (and 2.6× the wall time on CPU).
 
-:func:`train_step_flops` compiles ``train.py``'s own step (``train.aot.compile_train_step``:
+:func:`train_step_flops` compiles ``train.py``'s own step (``aot.compile_train_step``:
 same loss, optimiser and donation; the frozen target's forward included) for one device
 and reads ``compiled.cost_analysis()``. XLA counts a while loop's body once, so the
 target's layer scan is unrolled here, the sequential heads' teacher-forced scan is
@@ -53,7 +53,7 @@ def train_step_flops(cfg) -> dict[str, Any]:
     """``{"flops", "bytes", "tokens"}`` of one training step of ``cfg`` (a drafter or
     target config) on one device: XLA's figures for the compiled step with every model
     loop unrolled; ``tokens`` = batch × seq_len."""
-    from dspark_jax.train import aot
+    from dspark_jax import aot
 
     task = aot.aot_task(cfg)
     if hasattr(task, "_read_target_config"):  # a drafter task: unroll its frozen target

@@ -2,7 +2,7 @@
 
 The decode roofline (``perf.roofline``) models one serving round; this module does the same
 for ``train.py``'s training step, compiled by XLA:TPU for a named topology
-(``train.aot``), with every loop unrolled so that XLA's cost analysis counts every layer
+(``dspark_jax.aot``), with every loop unrolled so that XLA's cost analysis counts every layer
 (``unrolled_scans``: the frozen target's layer scan, the draft layers' blocked attention
 over key chunks). Per chip:
 
@@ -336,7 +336,7 @@ def compile_unrolled(cfg, mesh):
     """``(aot report, compiled)`` of ``cfg``'s training step on ``mesh`` with the frozen
     target's layers and every scan unrolled (``train_cost.model_loops`` must then be
     empty)."""
-    from dspark_jax.train import aot
+    from dspark_jax import aot
 
     task = aot.aot_task(cfg)
     read = task._read_target_config
@@ -370,8 +370,8 @@ def analyse(
 ) -> dict[str, Any]:
     """The roofline (module docstring) of a compiled unrolled step: its optimised HLO text
     ``hlo``, XLA's cost ``xla`` (``{"flops", "bytes"}`` per chip) and the AOT ``report``."""
+    from dspark_jax import aot
     from dspark_jax.perf.train_cost import model_loops
-    from dspark_jax.train import aot
 
     loops = model_loops(hlo)
     task = aot.aot_task(cfg)

@@ -52,7 +52,7 @@ def state_shardings(
     rep = NamedSharding(mesh, PartitionSpec())
     opt_sh = optax.tree_utils.tree_map_params(
         # Abstract init: the optimizer's counters are never created on the mesh's devices
-        # (which may be a TPU topology this host does not have; see train/aot.py).
+        # (which may be a TPU topology this host does not have; see dspark_jax/aot/).
         lambda placeholder: jax.eval_shape(tx.init, placeholder),
         lambda _, s: s,
         abstract_state.opt_state,

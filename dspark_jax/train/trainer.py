@@ -266,7 +266,7 @@ def build_state_spec(task: Task, cfg: ConfigDict, mesh) -> StateSpec:
 
 def make_train_step(task: Task, tx: optax.GradientTransformation, schedule: optax.Schedule):
     """The un-jitted training step ``(state, frozen, batch) -> (state, metrics)``; shared by
-    the loop and the ahead-of-time compiler (``train/aot.py``)."""
+    the loop and the ahead-of-time compiler (``dspark_jax/aot/``)."""
 
     def train_step(state: TrainState, frozen, batch):
         rng = jax.random.fold_in(state.rng, state.step)
