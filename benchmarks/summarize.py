@@ -79,10 +79,11 @@ MANIFEST = (
         Entry((R + "gpu_attention_h200.json", R + "verify_cost_h200_xla.md"), cost.gpu),
         Entry((R + "compile_time.json",), cost.compile_time),
     )),
-    Page("memory.md", "Memory", "ahead-of-time per-device memory (4B / 8B / 14B), decode "
-         "state vs the KV page pool", (
+    Page("memory.md", "Memory", "ahead-of-time per-device memory (4B / 8B / 14B), the "
+         "serving layouts that fit a v5e / v5p slice, decode state vs the KV page pool", (
         Entry((R + "aot_memory.md",), memory.aot),
         Entry((R + "aot_memory_*.md",), memory.aot_tpu),
+        Entry((R + "serve_fit.md", R + "serve_fit.json"), memory.serve_fit),
         Entry((R + "kv_memory.md", R + "kv_memory.json"), memory.kv),
     )),
     Page("roofline.md", "Roofline of the decode round", "XLA:TPU's cost analysis of the "
@@ -90,12 +91,13 @@ MANIFEST = (
         Entry((R + "roofline_*.md", R + "roofline_*.json"), roofline.roofline),
     )),
     Page("serving.md", "Serving", "start-up, soak, serving under load on CPU, the serving "
-         "simulator and its validation", (
+         "simulator and its validation, the tensor-parallel mesh's overhead", (
         Entry((R + "startup.json",), serving.startup),
         Entry((R + "soak.json",), serving.soak),
         Entry((R + "serving.json", R + "serving_t1.json"), serving.serving),
         Entry((R + "serving_sim_validation.md",), serving.sim_validation),
         Entry((R + "serving_sim_v5p_*.md",), serving.sim_modelled),
+        Entry((R + "mesh_overhead.md", R + "mesh_overhead.json"), serving.mesh_overhead),
     )),
     Page("train-cost.md", "Training cost on TPU slices", "the drafter training step's "
          "roofline (XLA:TPU, modelled step time and MFU) and chip-hours for DeepSpec's recipe, "

@@ -24,3 +24,8 @@ def aot_tpu(results: pathlib.Path) -> list[str]:
 def kv(results: pathlib.Path) -> list[str]:
     path = results / "kv_memory.md"
     return common.included(path, common.command_of(path)) if path.is_file() else []
+
+
+def serve_fit(results: pathlib.Path) -> list[str]:
+    path = results / "serve_fit.md"
+    return common.included(path, common.command_of(path)) if path.is_file() else []

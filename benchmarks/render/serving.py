@@ -205,3 +205,8 @@ def sim_modelled(results: pathlib.Path) -> list[str]:
                 "",
             ]
     return out
+
+
+def mesh_overhead(results: pathlib.Path) -> list[str]:
+    path = results / "mesh_overhead.md"
+    return common.included(path, common.command_of(path)) if path.is_file() else []
