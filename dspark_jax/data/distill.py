@@ -248,28 +248,18 @@ def make_generate_fn(
     sampler (the temperature is traced: greedy and sampled batches share one program).
     ``mesh``: run it tensor-parallel there, the weights placed by the logical-axis rules
     (``decode.mesh``; already-placed weights, as ``load_target(mesh=)`` reads them, stay)."""
-    import contextlib
-
     import jax
 
     from dspark_jax.decode import mesh as mesh_lib
     from dspark_jax.decode.autoregressive import generate
-    from dspark_jax.sharding import rules_context
 
     if mesh is None:
         params = jax.device_put(params)  # once, not on every call
-        context = contextlib.nullcontext
     else:
         params = mesh_lib.place_params(params, mesh_lib.target_layout(model.config, mesh), "target")
 
-        def context():
-            stack = contextlib.ExitStack()
-            stack.enter_context(jax.set_mesh(mesh))
-            stack.enter_context(rules_context(mesh))
-            return stack
-
     def fn(prompts, seed, temperature):
-        with context():
+        with mesh_lib.mesh_context(mesh):
             return _generate_tokens(prompts, seed, temperature)
 
     def _generate_tokens(prompts, seed, temperature):

@@ -82,6 +82,23 @@ def mesh_from_args(args: argparse.Namespace) -> Mesh | None:
     return decode_mesh(getattr(args, "data", 1), getattr(args, "tensor", 1))
 
 
+def mesh_context(mesh):
+    """The context a meshed program is traced and run in: the mesh and the logical-axis
+    rules (``nn.with_logical_constraint`` and the kernels' ``shard_map`` resolve
+    against them); a no-op for ``mesh`` None."""
+    import contextlib
+
+    import jax
+
+    from dspark_jax.sharding import rules_context
+
+    stack = contextlib.ExitStack()
+    if mesh is not None:
+        stack.enter_context(jax.set_mesh(mesh))
+        stack.enter_context(rules_context(mesh))
+    return stack
+
+
 def describe(mesh: Mesh | None) -> dict:
     """The mesh as ``/metrics`` and result files report it."""
     import jax
@@ -215,6 +232,7 @@ __all__ = [
     "decode_mesh",
     "describe",
     "drafter_layout",
+    "mesh_context",
     "mesh_from_args",
     "per_device_bytes",
     "place_params",

@@ -448,15 +448,9 @@ class SpeculativeDecoder:
     def mesh_context(self):
         """The context every executable of a meshed decoder is traced and run in: the mesh
         and the logical-axis rules (a no-op without a mesh)."""
-        import contextlib
+        from dspark_jax.decode.mesh import mesh_context
 
-        stack = contextlib.ExitStack()
-        if self.mesh is not None:
-            from dspark_jax.sharding import rules_context
-
-            stack.enter_context(jax.set_mesh(self.mesh))
-            stack.enter_context(rules_context(self.mesh))
-        return stack
+        return mesh_context(self.mesh)
 
     def lower_round(self, state, budget: int, params=None):
         """``jax.jit(...).lower`` of the fused round the decoder runs (draft → schedule →
