@@ -31,13 +31,6 @@ REPO = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 
 
-def host_share(times) -> float:
-    """Share of the core's busy time spent on the host (dispatching, turning outputs into
-    events), not waiting on the device: what the server reports as ``host_share``."""
-    busy = times.dispatch_seconds + times.device_wait_seconds + times.host_seconds
-    return (times.dispatch_seconds + times.host_seconds) / busy if busy else 0.0
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=os.path.join(REPO, "assets", "target"))
@@ -99,7 +92,7 @@ def main(argv=None) -> int:
             "tokens_per_second": round(n_tokens / wall, 1),
             "ratio_to_one_device": round(wall / base, 3),
             "same_tokens_as_one_device": tokens[t] == tokens[tensors[0]],
-            "host_share": round(host_share(arms[t][0].core.times), 4),
+            "host_share": round(arms[t][0].core.times.host_share, 4),
         })  # fmt: skip
     report = {
         "command": "python benchmarks/mesh_overhead.py " + " ".join(argv or sys.argv[1:]),

@@ -109,6 +109,12 @@ class CoreTimes:
     host_seconds: float = 0.0
     page_waits: int = 0
 
+    @property
+    def host_share(self) -> float:
+        """Share of the busy time spent on the host (not waiting on the device)."""
+        busy = self.dispatch_seconds + self.device_wait_seconds + self.host_seconds
+        return (self.dispatch_seconds + self.host_seconds) / busy if busy else 0.0
+
 
 class EngineCore:
     """Slots, pages, admission and rounds over ``decoder``'s state (see the module
