@@ -16,9 +16,8 @@ at all. On a mesh:
 * the decode state by ``SpeculativeDecoder.state_shardings``: the KV page pool over KV
   heads (whole when ``tensor`` does not divide them), per-slot fields over the batch axes.
 
-Data parallelism (``--data`` > 1: replicas that each own their slots and their page pool)
-is refused for now with an error that says so: under plain sharding propagation every
-replica would hold the whole page pool, which is what data parallelism is meant to avoid.
+* with ``--data N`` > 1, N replicas that each own R/N slots and their own page pool, every
+  step run per replica (``decode.replicas``); the tensor split above applies inside each.
 """
 
 from __future__ import annotations
@@ -48,11 +47,6 @@ def decode_mesh(data: int = 1, tensor: int = 1, devices=None) -> Mesh | None:
     for name, n in (("data", data), ("tensor", tensor)):
         if not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"--{name} must be a positive integer, got {n!r}")
-    if data > 1:
-        raise ValueError(
-            f"--data {data}: data-parallel decoding (replicas that each own their slots and "
-            "page pool) is not built yet; use --tensor N to spread the model over N devices"
-        )
     devices = list(jax.devices() if devices is None else devices)
     need = data * tensor
     if need > len(devices):
@@ -74,7 +68,8 @@ def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--data", type=int, default=1, metavar="N",
-        help="data-parallel replicas (not built yet: only 1 is accepted)",
+        help="data-parallel replicas, each with its own slots and KV page pool "
+        "(--slots must be a multiple of N)",
     )  # fmt: skip
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from dspark_jax.ops.paged_attention import NULL_PAGE, pages_per_sequence
 
-__all__ = ["PagePool", "full_pool_pages"]
+__all__ = ["PagePool", "ReplicaPages", "full_pool_pages"]
 
 
 def full_pool_pages(num_slots: int, max_len: int, page_size: int) -> int:
@@ -96,3 +96,38 @@ class PagePool:
             raise ValueError(f"pages not allocated from this pool (double free?): {row!r}")
         self._allocated.difference_update(owned)
         self._free.extend(reversed(owned))
+
+
+class ReplicaPages:
+    """One ``PagePool`` per data replica (``decode.replicas``): replica d's slots take
+    pages only from pool d, whose page numbers are local to it. The figures (``used``,
+    ``free``, ``capacity``) add up the pools; a request must fit one pool."""
+
+    def __init__(self, replicas: int, num_pages: int, page_size: int, max_len: int,
+                 extra_positions: int = 0):  # fmt: skip
+        self.pools = [
+            PagePool(num_pages, page_size, max_len, extra_positions) for _ in range(replicas)
+        ]
+        self.page_size = int(page_size)
+
+    def __len__(self) -> int:
+        return len(self.pools)
+
+    def __getitem__(self, replica: int) -> PagePool:
+        return self.pools[replica]
+
+    @property
+    def capacity(self) -> int:
+        return sum(p.capacity for p in self.pools)
+
+    @property
+    def free(self) -> int:
+        return sum(p.free for p in self.pools)
+
+    @property
+    def used(self) -> int:
+        return sum(p.used for p in self.pools)
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise if the request could never be admitted, even into an empty replica pool."""
+        self.pools[0].check_fits(prompt_len, max_new_tokens)

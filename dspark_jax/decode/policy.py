@@ -17,8 +17,14 @@ for the same scheduler:
 * warm-up (every verify bucket compiled), SPS profiling on the decoder's own rounds, and
   the count of compiled executables (``SpeculativeDecoder.compiled_executables``).
 
-A host loop calls ``dispatch(state, occupied)`` for each round and ``observe(index,
-survival, active)`` when it has read that round's output.
+With data replicas (``decode.replicas``) every rule above runs per replica, on that
+replica's own slots (each replica is one server of Algorithm 1); the round runs in the
+largest of their buckets, each replica admitting only its own budget, and the rows a
+replica computes beyond its own bucket are the round's *padding*.
+
+A host loop calls ``dispatch(state, occupied)`` for each round (``occupied``: which slots
+hold a request) and ``observe(index, survival, active)`` when it has read that round's
+output.
 """
 
 from __future__ import annotations
@@ -77,32 +83,50 @@ class RoundPolicy:
         if self.scheduler == "none":
             self.buckets: tuple[int, ...] = (0,)
         else:
-            given = {int(b) for b in (buckets or default_buckets(cfg.num_slots, decoder.gamma))}
+            slots = decoder.replica_slots  # per replica: its own block of R/D slots
+            given = {int(b) for b in (buckets or default_buckets(slots, decoder.gamma))}
             if any(not 0 <= b <= full for b in given):
+                per = f" per data replica (R/D = {slots})" if decoder.replicas > 1 else ""
                 raise ValueError(
-                    f"verify buckets must lie in [0, R·γ = {full}]; got {sorted(given)}"
+                    f"verify buckets must lie in [0, R·γ = {full}]{per}; got {sorted(given)}"
                 )
             self.buckets = tuple(sorted(given | {full}))
         self.two_phase = self.scheduler == "prefix" and len(self.buckets) > 1
         self._observed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._next_index = 0
         self.last_wait_seconds = 0.0  # the last dispatch's wait for its plan (two-phase)
+        self.last_padding = 0  # rows the last round ran beyond the replicas' own buckets
         self._sps_src = None  # the decoder table _sps_dense was copied from
         self._sps_dense: np.ndarray | None = None
 
     # -- the budget ----------------------------------------------------------------------
-    def next_budget(self, occupied: int) -> int:
-        """Budget of the round about to be dispatched (one-phase arms)."""
+    def next_budget(self, occupied) -> int:
+        """Budget of the round about to be dispatched (one-phase arms); ``occupied``: which
+        slots hold a request (``[R]`` bool), or their count (one replica)."""
+        return max(self.replica_budgets(occupied))
+
+    def replica_budgets(self, occupied) -> list[int]:
+        """Each data replica's own budget for the round about to be dispatched, from its
+        own slots (one entry without replicas)."""
+        dec = self.decoder
+        d, rl = dec.replicas, dec.replica_slots
+        if np.ndim(occupied) == 0:
+            if d > 1:
+                raise ValueError("with data replicas, pass which slots are occupied ([R] bool)")
+            counts = [int(occupied)]
+        else:
+            counts = [int(n) for n in np.asarray(occupied, bool).reshape(d, rl).sum(axis=1)]
         old = self._observed.get(self._next_index - 2)
-        return budget_lib.next_budget(
-            self.scheduler,
-            self.buckets,
-            gamma=self.decoder.gamma,
-            occupied=occupied,
-            last_survival=None if old is None else old[0],
-            last_active=None if old is None else old[1],
-            sps_table=self._host_sps() if old is not None else None,
-        )
+        sps = self._host_sps() if old is not None else None
+        out = []
+        for i in range(d):
+            block = slice(i * rl, (i + 1) * rl)
+            out.append(budget_lib.next_budget(
+                self.scheduler, self.buckets, gamma=dec.gamma, occupied=counts[i],
+                last_survival=None if old is None else old[0][block],
+                last_active=None if old is None else old[1][block], sps_table=sps,
+            ))  # fmt: skip
+        return out
 
     def _host_sps(self) -> np.ndarray | None:
         """The decoder's SPS table on the host, fetched once per installed table (never
@@ -114,23 +138,32 @@ class RoundPolicy:
             self._sps_src, self._sps_dense = table, np.asarray(table)
         return self._sps_dense
 
-    def dispatch(self, state, occupied: int):
+    def dispatch(self, state, occupied):
         """Run round ``n`` without waiting for it (two-phase prefix reads its plan's Σ ℓ
-        first). Returns ``(state, output, budget, n)``."""
+        first). ``occupied``: which slots hold a request (``[R]`` bool; a count is enough
+        for one replica). Returns ``(state, output, budget, n)``; ``last_padding`` is the
+        round's padding (module docstring)."""
         dec = self.decoder
         index = self._next_index
         self.last_wait_seconds = 0.0
         if self.two_phase:
             state, plan = dec.plan(state)
             t0 = time.perf_counter()
-            need = int(jax.device_get(plan.lengths).sum())
+            lengths = np.asarray(jax.device_get(plan.lengths))
             # Time blocked on the device (the plan, and every round still queued before it).
             self.last_wait_seconds = time.perf_counter() - t0
-            budget = budget_lib.smallest_bucket(self.buckets, need)
+            needs = lengths.reshape(dec.replicas, -1).sum(axis=1)
+            own = [budget_lib.smallest_bucket(self.buckets, int(n)) for n in needs]
+            budget = max(own)
             state, out = dec.commit(state, plan, budget)
         else:
-            budget = self.next_budget(occupied)
-            state, out = dec.round(state, budget)
+            own = self.replica_budgets(occupied)
+            budget = max(own)
+            if dec.replicas > 1:
+                state, out = dec.round(state, budget, replica_budgets=own)
+            else:
+                state, out = dec.round(state, budget)
+        self.last_padding = sum(budget - k for k in own)
         self._next_index += 1
         return state, out, budget, index
 

@@ -58,7 +58,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+from dspark_jax.decode import replicas as replicas_lib
 from dspark_jax.decode.pages import full_pool_pages
 
 # The step's data (re-exported here, where callers have always found it).
@@ -93,6 +95,7 @@ from dspark_jax.ops.sampling import (
     split_keys,
 )
 from dspark_jax.sched import policies
+from dspark_jax.sched.topk import admit_topk
 from dspark_jax.sharding import LOGICAL_RULES, logical_to_spec
 
 Array = jax.Array
@@ -131,6 +134,15 @@ class SpeculativeDecoder:
         # device under ``shard_map``) and returns its state in that same layout, so a round
         # never meets a new input layout and compiles once per bucket.
         self.mesh = mesh
+        # Data replicas (decode.replicas): D blocks of R/D slots, each with its own page
+        # pool of num_pages/D pages; every step runs per replica. One replica: no change.
+        self.replicas = replicas_lib.replica_count(mesh)
+        if config.num_slots % self.replicas:
+            raise ValueError(
+                f"--data {self.replicas} needs a slot count it divides (each replica owns "
+                f"R/{self.replicas} slots); got {config.num_slots} slots"
+            )
+        self.replica_slots = config.num_slots // self.replicas
         if mesh is not None:
             from dspark_jax.decode import mesh as mesh_lib
 
@@ -178,7 +190,8 @@ class SpeculativeDecoder:
                 f"(DSpark); this drafter is {self.kind!r}. Use 'fixed' or 'none'."
             )
         g = self.gamma
-        self.table_len = config.num_slots * (g + 1) + 1
+        # SPS(B) of one replica (each is one server of Algorithm 1): B = 0 … R/D·(G+1).
+        self.table_len = self.replica_slots * (g + 1) + 1
         # The paged cache: its pool, and the backend of the verify attention. The drafter's
         # context K/V share the target's page table and a draft writes its block's K/V past
         # the context (ops.paged_attention.block_attention; EAGLE-3 its chain's), so a
@@ -187,7 +200,19 @@ class SpeculativeDecoder:
         positions = config.max_len + self.draft_positions
         self.pages_per_seq = pages_per_sequence(positions, config.page_size)
         self.full_pool = full_pool_pages(config.num_slots, positions, config.page_size)
-        self.num_pages = config.num_pages or self.full_pool
+        # With replicas: the pool is D pools of ``replica_pages`` (each with its null page);
+        # ``num_pages`` counts them all (a page table's entries are replica-local).
+        d = self.replicas
+        replica_full = full_pool_pages(self.replica_slots, positions, config.page_size)
+        self.replica_pages = replica_full if config.num_pages is None else config.num_pages // d
+        if self.replica_pages < 2:
+            raise ValueError(
+                f"a page pool of {config.num_pages} pages over {d} data replicas leaves "
+                f"{self.replica_pages} per replica; each needs >= 2 (page 0 is its null page)"
+            )
+        self._replica_full_pool = replica_full
+        self.full_pool = d * replica_full
+        self.num_pages = d * self.replica_pages
         self.attention = resolve_backend(config.attention, head_dim=tcfg.head_dim)
         self._sps = None
         # Host (NumPy) arrays: nothing concrete may be created on the device here, so the
@@ -206,15 +231,26 @@ class SpeculativeDecoder:
         # recompilation; the state is donated so caches update in place.
         self._state_shardings = None if mesh is None else self.state_shardings(mesh)
         pin = self._pinned
-        self._round = jax.jit(pin(self._round_impl), static_argnums=(2,), donate_argnums=(1,))
+        if self.replicas > 1:
+            self._replica_specs = replicas_lib.state_specs(
+                jax.eval_shape(functools.partial(self._empty_state, 0)), self.kv_cache
+            )
+            round_fn, plan_fn = self._round_replicas, self._plan_replicas
+            commit_fn, prefill_fn = self._commit_replicas, self._prefill_replicas
+        else:
+            round_fn, plan_fn = self._round_impl, self._plan_impl
+            commit_fn, prefill_fn = self._commit_impl, self._prefill_impl
+        self._round = jax.jit(pin(round_fn, "round"), static_argnums=(2,), donate_argnums=(1,))
         # The plan returns the state too: a DSpark/DFlash draft writes its block K/V into
         # the paged drafter context in place (donated, like every round).
-        self._plan = jax.jit(pin(self._plan_impl), static_argnums=(2,), donate_argnums=(1,))
-        self._commit = jax.jit(pin(self._commit_impl), static_argnums=(3,), donate_argnums=(1,))
-        self._prefill = jax.jit(pin(self._prefill_impl), donate_argnums=(1,))
+        self._plan = jax.jit(pin(plan_fn, "plan"), static_argnums=(2,), donate_argnums=(1,))
+        self._commit = jax.jit(
+            pin(commit_fn, "commit"), static_argnums=(3,), donate_argnums=(1,)
+        )
+        self._prefill = jax.jit(pin(prefill_fn, "prefill"), donate_argnums=(1,))
         # A state edited on the host, put back in the layout the rounds return (on a mesh,
         # the specs jit gives its outputs, which is what the next call is keyed on).
-        self._relayout_state = jax.jit(pin(_state_only), donate_argnums=(0,))
+        self._relayout_state = jax.jit(pin(_state_only, "relayout"), donate_argnums=(0,))
         self._params = (target_params, drafter_params, np.zeros((self.table_len,), np.float32))
         if sps_table is not None:
             self.set_sps_table(sps_table)
@@ -301,7 +337,10 @@ class SpeculativeDecoder:
                 # interleave there (ops.paged_attention), so a split that does not divide
                 # the heads would put a head's K and V on different devices.
                 heads = leaf.shape[:3] + (leaf.shape[3] // 2,) + leaf.shape[4:]
-                return NamedSharding(mesh, used_axes(logical_to_spec(self._POOL_AXES, heads, mesh)))
+                spec = used_axes(logical_to_spec(self._POOL_AXES, heads, mesh))
+                if self.replicas > 1:  # D pools, one per data replica (decode.replicas)
+                    spec = PartitionSpec(spec[0], replicas_lib.DATA, *spec[2:])
+                return NamedSharding(mesh, spec)
             names = ("cache_slots",) + (None,) * (leaf.ndim - 1) if leaf.ndim else ()
             return NamedSharding(mesh, used_axes(logical_to_spec(names, leaf.shape, mesh)))
 
@@ -324,19 +363,65 @@ class SpeculativeDecoder:
         with self.mesh_context():
             return self._relayout_state(state)[0]
 
-    def _pinned(self, impl):
+    def _pinned(self, impl, name: str):
         """``impl`` (which returns ``(state, ...)``) with its returned state constrained to
-        ``state_shardings`` on a mesh; ``impl`` itself without one."""
-        if self.mesh is None:
-            return impl
+        ``state_shardings`` on a mesh, named ``name`` (compile logs and profiles say
+        jit(round), not pinned)."""
 
         def pinned(*args):
             state, *rest = impl(*args)
-            return (jax.lax.with_sharding_constraint(state, self._state_shardings), *rest)
+            if self.mesh is not None:
+                state = jax.lax.with_sharding_constraint(state, self._state_shardings)
+            return (state, *rest)
 
-        # Named as the step it runs (compile logs and profiles say jit(round), not pinned).
-        pinned.__name__ = pinned.__qualname__ = impl.__name__.strip("_").removesuffix("_impl")
+        pinned.__name__ = pinned.__qualname__ = name
         return pinned
+
+    # -- data replicas (decode.replicas): each step run per replica ----------------------
+    def _per_replica(self, fn, in_specs, out_specs):
+        return replicas_lib.run_per_replica(fn, self.mesh, in_specs, out_specs)
+
+    def _round_replicas(self, params, state, budget, limits):
+        def fn(p, s, lim):
+            return self._round_impl(p, s, budget, lim[0])
+
+        specs, rows = self._replica_specs, P(replicas_lib.DATA)
+        return self._per_replica(fn, (P(), specs, rows), (specs, rows))(params, state, limits)
+
+    def _plan_replicas(self, params, state, budget, limits):
+        def fn(p, s, lim):
+            return self._plan_impl(p, s, budget, lim[0])
+
+        specs, rows = self._replica_specs, P(replicas_lib.DATA)
+        return self._per_replica(fn, (P(), specs, rows), (specs, rows))(params, state, limits)
+
+    def _commit_replicas(self, params, state, plan, budget):
+        def fn(p, s, pl):
+            return self._commit_impl(p, s, pl, budget)
+
+        specs, rows = self._replica_specs, P(replicas_lib.DATA)
+        return self._per_replica(fn, (P(), specs, rows), (specs, rows))(params, state, plan)
+
+    def _prefill_replicas(self, params, state, rows, back):
+        specs, data = self._replica_specs, P(replicas_lib.DATA)
+        state, out = self._per_replica(self._prefill_impl, (P(), specs, data), (specs, data))(
+            params, state, rows
+        )
+        return state, jax.tree.map(lambda x: x[back], out)  # the caller's row order
+
+    def _limits(self, budget: int, replica_budgets=None):
+        """Each replica's own verify budget (``[D]``, at most the bucket ``budget``), as
+        the per-replica steps take it: sharded over the data axis."""
+        from jax.sharding import NamedSharding
+
+        d = self.replicas
+        limits = np.full((d,), budget, np.int32)
+        if replica_budgets is not None:
+            given = np.asarray(replica_budgets, np.int32).reshape(-1)
+            if given.shape != (d,):
+                raise ValueError(f"replica_budgets needs {d} entries (one per data replica)")
+            limits = np.minimum(given, budget)
+        return jax.device_put(limits, NamedSharding(self.mesh, P(replicas_lib.DATA)))
 
     def mesh_context(self):
         """The context every executable of a meshed decoder is traced and run in: the mesh
@@ -350,8 +435,16 @@ class SpeculativeDecoder:
         packed verify → commit) at verify budget ``budget``: for ahead-of-time compilation
         with abstract arguments (``jax.ShapeDtypeStruct`` with shardings; ``params`` =
         ``(target params, drafter params, SPS table)``, default the decoder's own)."""
+        params = self._params if params is None else params
         with self.mesh_context():
-            return self._round.lower(self._params if params is None else params, state, budget)
+            if self.replicas == 1:
+                return self._round.lower(params, state, budget)
+            limits = jax.ShapeDtypeStruct(
+                (self.replicas,), jnp.int32, sharding=jax.sharding.NamedSharding(
+                    self.mesh, P(replicas_lib.DATA)
+                ),
+            )  # fmt: skip
+            return self._round.lower(params, state, budget, limits)
 
     def static_page_rows(self, slots) -> np.ndarray:
         """Page-table rows ``[len(slots), pages_per_seq]`` giving slot ``s`` the fixed pages
@@ -361,16 +454,18 @@ class SpeculativeDecoder:
         ``decode.pages.PagePool``."""
         slots = np.asarray(slots, np.int64).reshape(-1)
         rows = np.full((slots.size, self.pages_per_seq), NULL_PAGE, np.int32)
-        if self.num_pages >= self.full_pool:
+        if self.replica_pages >= self._replica_full_pool:
             own = (slots >= 0) & (slots < self.config.num_slots)
-            base = 1 + slots[own, None] * self.pages_per_seq
+            # With data replicas, pages inside the slot's replica pool.
+            base = 1 + (slots[own, None] % self.replica_slots) * self.pages_per_seq
             rows[own] = base + np.arange(self.pages_per_seq)
         return rows
 
     @property
     def full_budget(self) -> int:
-        """The verify budget that holds every draft token: K = R·G."""
-        return self.config.num_slots * self.gamma
+        """The verify budget that holds every draft token: K = R·G (per data replica:
+        R/D·G, each replica verifying its own block in a bucket of K rows)."""
+        return self.replica_slots * self.gamma
 
     def compiled_executables(self) -> int:
         """Executables compiled so far for rounds, plans, commits and prefills (one per
@@ -474,8 +569,31 @@ class SpeculativeDecoder:
             )
         rows = (slots, prompts, lengths, max_new, temperature, top_k, top_p, keys, coupled)
         rows += (page_rows,)
+        if self.replicas > 1:
+            return self._prefill_grouped(state, rows)
         with self.mesh_context():
             return self._prefill(self._params, state, tuple(jnp.asarray(a) for a in rows))
+
+    def _prefill_grouped(self, state, rows):
+        """Prefill with data replicas: each replica gets ``B`` rows (its own rows first,
+        the rest padding), slots local to it; outputs come back in the caller's order."""
+        from jax.sharding import NamedSharding
+
+        take, local, back = replicas_lib.group_prefill_rows(
+            rows[0], self.replica_slots, self.replicas
+        )
+        src = np.maximum(take, 0)
+        pad = take < 0
+        grouped = [local]
+        for i, a in enumerate(rows[1:], 1):
+            a = np.asarray(a)[src]
+            if i == 9:  # page rows: padding rows write only their replica's null page
+                a = np.where(pad[:, None], NULL_PAGE, a)
+            grouped.append(a)
+        data = NamedSharding(self.mesh, P(replicas_lib.DATA))
+        grouped = tuple(jax.device_put(np.asarray(a), data) for a in grouped)
+        with self.mesh_context():
+            return self._prefill(self._params, state, grouped, jnp.asarray(back))
 
     def _prefill_impl(self, params, state, rows):
         slots, prompts, lengths, max_new, temperature, top_k, top_p, keys, coupled = rows[:9]
@@ -589,25 +707,30 @@ class SpeculativeDecoder:
 
         holder = [fresh(self.init_state(seed))]
 
+        rl = self.replica_slots  # B = R + K of one replica (each verifies K of its own)
+
         def make(k):
-            # K drafts spread over the slots (sizes differ by at most one).
-            fill = jnp.asarray(np.minimum(k // r + (np.arange(r) < k % r), g).astype(np.int32))
+            # K drafts spread over each replica's slots (sizes differ by at most one).
+            one = np.minimum(k // rl + (np.arange(rl) < k % rl), g).astype(np.int32)
+            fill = jnp.asarray(np.tile(one, self.replicas))
+            if self.mesh is not None:
+                fill = jax.device_put(fill, self._state_shardings.seq_len)
 
             def step():
                 st = holder[0]
-                with self.mesh_context():
-                    if c.scheduler == "topk":
-                        st, out = self._round(self._params, st, k)
-                    else:
-                        st, plan = self._plan(self._params, st, self.full_budget)
-                        plan = plan._replace(lengths=fill)
-                        st, out = self._commit(self._params, st, plan, k)
+                # The rounds run before any table exists (profiling makes it).
+                if c.scheduler == "topk":
+                    st, out = self._run_round(st, k)
+                else:
+                    st, plan = self._run_plan(st)
+                    plan = plan._replace(lengths=fill)
+                    st, out = self.commit(st, plan, k)
                 holder[0] = fresh(st)
                 return out.tokens
 
             return step
 
-        return {r + k: make(k) for k in ks}
+        return {rl + k: make(k) for k in ks}
 
     def release(self, state: DecodeState, slot: int) -> DecodeState:
         """Free a slot (cancellation): it stops drafting/verifying from the next round."""
@@ -621,21 +744,37 @@ class SpeculativeDecoder:
             raise ValueError(f"verify budget must be in [0, {self.full_budget}], got {k}")
         return k
 
-    def round(self, state: DecodeState, budget: int | None = None):
-        """Run one decode round with verify budget K = ``budget`` (default: R·G)."""
-        self._require_table()
-        with self.mesh_context():
-            return self._round(self._params, state, self._check_budget(budget))
+    def round(self, state: DecodeState, budget: int | None = None, replica_budgets=None):
+        """Run one decode round with verify budget K = ``budget`` (default: R·G).
 
-    def plan(self, state: DecodeState, budget: int | None = None) -> tuple[DecodeState, Plan]:
-        """Draft and schedule; returns ``(state, plan)``. ``budget`` only matters for
-        ``topk``. The state is donated, like a round's: only the DSpark/DFlash drafter
-        context changes (the draft's block K/V, written past every slot's context), so
-        commit the plan against the returned state."""
+        With data replicas, K is each replica's bucket and ``replica_budgets [D]`` (default
+        K each) each replica's own budget: ``topk`` admits each replica's own top-k_d."""
         self._require_table()
+        return self._run_round(state, self._check_budget(budget), replica_budgets)
+
+    def _run_round(self, state, k: int, replica_budgets=None):
+        with self.mesh_context():
+            if self.replicas == 1:
+                return self._round(self._params, state, k)
+            return self._round(self._params, state, k, self._limits(k, replica_budgets))
+
+    def plan(
+        self, state: DecodeState, budget: int | None = None, replica_budgets=None
+    ) -> tuple[DecodeState, Plan]:
+        """Draft and schedule; returns ``(state, plan)``. ``budget`` (and, with data
+        replicas, ``replica_budgets``) only matter for ``topk``. The state is donated,
+        like a round's: only the DSpark/DFlash drafter context changes (the draft's block
+        K/V, written past every slot's context), so commit the plan against the returned
+        state."""
+        self._require_table()
+        return self._run_plan(state, budget, replica_budgets)
+
+    def _run_plan(self, state, budget=None, replica_budgets=None):
         k = self._check_budget(budget) if self.config.scheduler == "topk" else self.full_budget
         with self.mesh_context():
-            return self._plan(self._params, state, k)
+            if self.replicas == 1:
+                return self._plan(self._params, state, k)
+            return self._plan(self._params, state, k, self._limits(k, replica_budgets))
 
     def commit(self, state: DecodeState, plan: Plan, budget: int):
         """Verify ``plan``'s drafts in a buffer of R + ``budget`` rows and commit.
@@ -646,7 +785,9 @@ class SpeculativeDecoder:
         with self.mesh_context():
             return self._commit(self._params, state, plan, self._check_budget(budget))
 
-    def _plan_impl(self, params, state: DecodeState, budget: int) -> tuple[DecodeState, Plan]:
+    def _plan_impl(
+        self, params, state: DecodeState, budget: int, limit=None
+    ) -> tuple[DecodeState, Plan]:
         c = self.config
         # Each slot's stream: next key, draft draws, verification draws. Only active slots
         # advance, so a request's draws depend on its own rounds alone; coupled slots keep
@@ -664,7 +805,7 @@ class SpeculativeDecoder:
         if out is not None and out.context is not None:
             state = state._replace(ctx_feats=out.context)
         survival = jnp.cumprod(conf, axis=1)
-        lengths = self._schedule(survival, active, budget, params[2])
+        lengths = self._schedule(survival, active, budget, params[2], limit)
         # Cap by cache room and max_new so no write goes past max_len (lengths only).
         room = jnp.maximum(c.max_len - 2 - state.seq_len, 0)
         lengths = jnp.minimum(lengths, jnp.minimum(room, jnp.maximum(state.remaining - 1, 0)))
@@ -679,8 +820,8 @@ class SpeculativeDecoder:
             slot_keys=slot_keys,
         )
 
-    def _round_impl(self, params, state: DecodeState, budget: int):
-        state, plan = self._plan_impl(params, state, budget)
+    def _round_impl(self, params, state: DecodeState, budget: int, limit=None):
+        state, plan = self._plan_impl(params, state, budget, limit)
         return self._commit_impl(params, state, plan, budget)
 
     def _logprobs(self, logits: Array, tokens: Array, rows: Array | None = None):
@@ -707,7 +848,7 @@ class SpeculativeDecoder:
         return position_keys(jax.random.wrap_key_data(state.slot_keys), pos)
 
     def _draft(self, params, state, key):
-        g, r = self.gamma, self.config.num_slots
+        g, r = self.gamma, self.replica_slots  # per replica: the step runs on its block
         if self.drafter is None:
             # No drafts are ever verified (l = 0); a uniform p_d keeps the shapes of the
             # sampling verifier, which only draws the bonus token from p_t then.
@@ -745,7 +886,7 @@ class SpeculativeDecoder:
             conf = jax.nn.sigmoid(z / self.sts_temperatures + self.sts_biases)
         return out.tokens.astype(jnp.int32), out.probs, conf, out
 
-    def _schedule(self, survival, active, budget, sps_table):
+    def _schedule(self, survival, active, budget, sps_table, limit=None):
         """Per-slot prefix lengths ``[R]`` for the configured arm (DESIGN §5.3).
 
         Must depend on the survival probabilities only through rules that never let a token
@@ -762,11 +903,14 @@ class SpeculativeDecoder:
             "prefix": {"sps_table": sps_table},
             "topk": {"budget": budget},
         }[c.scheduler]
+        if c.scheduler == "topk" and limit is not None:
+            # A data replica's own budget k_d <= the common bucket (decode.replicas).
+            return jnp.where(active, admit_topk(survival, budget, active, limit=limit).lengths, 0)
         lengths = policies.get_scheduler(c.scheduler)(survival, active, **params).lengths
         return jnp.where(active, lengths, 0)
 
     def _commit_impl(self, params, state: DecodeState, plan: Plan, budget: int):
-        c, g, r = self.config, self.gamma, self.config.num_slots
+        c, g, r = self.config, self.gamma, self.replica_slots  # per replica (its block)
         tp = params[0]
         n_rows = r + budget
         draft_tokens, draft_probs = plan.draft_tokens, plan.draft_probs

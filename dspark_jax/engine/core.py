@@ -12,6 +12,9 @@ request owns which slot and pages, what runs on the device and in which order, i
    pool can hold each one's prompt + ``max_new_tokens`` (``decode.pages.PagePool``; a
    request that does not fit yet waits, never dropped), and **prefill** them in groups of
    compiled row counts, each prompt padded to its length bucket (``engine.prefill``).
+   With data replicas (``decode.replicas``) each replica has its own slots and page pool,
+   and a request goes to the least-loaded replica (fewest occupied slots, then most free
+   pages) that can hold it; it waits only when none can.
 2. **Dispatch** one decode round for every occupied slot at the budget the round policy
    gives (``decode.policy.RoundPolicy``: the smallest bucket holding γ per occupied slot,
    dynamic top-K from round n − 2's survivals, two-phase Algorithm 1).
@@ -46,7 +49,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dspark_jax.decode.pages import PagePool
+from dspark_jax.decode.pages import ReplicaPages
 from dspark_jax.decode.policy import RoundPolicy
 from dspark_jax.decode.step import FINISH_NONE, SpeculativeDecoder
 from dspark_jax.engine.prefill import PrefillBatcher, PrefillRow
@@ -96,6 +99,7 @@ class RoundDone:
     budget: int
     taus: list[int]
     verified: int
+    padding: int = 0  # rows run beyond the data replicas' own buckets (decode.policy)
 
 
 @dataclasses.dataclass
@@ -137,9 +141,12 @@ class EngineCore:
         self.num_slots = cfg.num_slots
         self.policy = RoundPolicy(decoder, buckets)
         self.prefill = PrefillBatcher(decoder, prefill_batch)
-        self.pages = PagePool(
-            decoder.num_pages, cfg.page_size, cfg.max_len, decoder.draft_positions
-        )
+        # One pool per data replica (one without replicas), page numbers local to it.
+        self.replicas, self.replica_slots = decoder.replicas, decoder.replica_slots
+        self.pages = ReplicaPages(
+            decoder.replicas, decoder.replica_pages, cfg.page_size, cfg.max_len,
+            decoder.draft_positions,
+        )  # fmt: skip
         self.pipelined = pipelined
         self.seed = seed
         # Where the core adds up its time: ``times`` (any object with CoreTimes' fields,
@@ -209,7 +216,7 @@ class EngineCore:
         if request is not None:
             request.slot = None
         self.slots[slot] = None
-        self.pages.release(self._slot_pages[slot])
+        self.pages[slot // self.replica_slots].release(self._slot_pages[slot])
         self._slot_pages[slot] = None
 
     # -- one turn -----------------------------------------------------------------------
@@ -220,9 +227,10 @@ class EngineCore:
         if self.active_slots:
             t0 = time.perf_counter()
             owners = list(self.slots)
-            occupied = sum(r is not None for r in owners)
+            occupied = np.asarray([r is not None for r in owners])
             self.state, out, budget, index = self.policy.dispatch(self.state, occupied)
-            self.inflight.append(("round", out, owners, budget, t0, index))
+            padding = self.policy.last_padding
+            self.inflight.append(("round", out, owners, (budget, padding), t0, index))
             # Two-phase Algorithm 1 waits for its plan inside dispatch: device time.
             waited = self.policy.last_wait_seconds
             self.times.device_wait_seconds += waited
@@ -243,13 +251,14 @@ class EngineCore:
             self.waiting_for_pages = False
             while free and self.waiting:
                 request = self.waiting[0]
-                pages = self.pages.allocate(len(request.prompt), request.max_new_tokens)
-                if pages is None:  # wait until a finished request frees pages
+                placed = self._place(request, free)
+                if placed is None:  # wait until a finished request frees pages
                     self.waiting_for_pages = True
                     self.times.page_waits += 1
                     break
                 self.waiting.popleft()
-                slot = free.pop(0)
+                slot, pages = placed
+                free.remove(slot)
                 self.slots[slot], self._slot_pages[slot], request.slot = request, pages, slot
                 admitted.append(request)
             if not admitted:
@@ -276,6 +285,25 @@ class EngineCore:
             while self.inflight:
                 self._read_oldest(events)
 
+    def _place(self, request: CoreRequest, free: list[int]):
+        """``(slot, page row)`` for ``request``: a free slot of the least-loaded replica
+        (fewest occupied slots, then most free pages, then the lowest index) whose pool
+        holds it now; None when no replica with a free slot can."""
+        rl = self.replica_slots
+        candidates = sorted(
+            {s // rl for s in free},
+            key=lambda d: (
+                sum(r is not None for r in self.slots[d * rl : (d + 1) * rl]),
+                -self.pages[d].free,
+                d,
+            ),
+        )
+        for d in candidates:
+            pages = self.pages[d].allocate(len(request.prompt), request.max_new_tokens)
+            if pages is not None:
+                return next(s for s in free if s // rl == d), pages
+        return None
+
     def _read_oldest(self, events: list) -> None:
         # Popped only once read, so ``has_work`` never reads False while an output is
         # still being fetched.
@@ -292,6 +320,7 @@ class EngineCore:
 
     def _to_events(self, item, out, events: list) -> None:
         kind, _, owners, budget, t_dispatch, index = item
+        budget, padding = budget if kind == "round" else (budget, 0)
         if kind == "prefill":
             for entry in owners:
                 if entry is None or entry[0].done:
@@ -316,7 +345,9 @@ class EngineCore:
                 r, [int(x) for x in out.tokens[s, :n]], code, lps, index,
                 int(out.accepted[s]), int(out.verified[s]), out.survival[s], out.draft_tokens[s],
             ))  # fmt: skip
-        events.append(RoundDone(index, seconds, budget, taus, int(np.sum(out.verified))))
+        events.append(
+            RoundDone(index, seconds, budget, taus, int(np.sum(out.verified)), padding)
+        )
 
     def _emit(self, events: list, event: Emitted) -> None:
         if event.finish != FINISH_NONE:  # the device deactivated the slot: free it now

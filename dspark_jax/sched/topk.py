@@ -113,11 +113,12 @@ def choose_budget(a_old, sps_table, buckets: Sequence[int], active=None) -> int:
 
 
 @partial(jax.jit, static_argnames="k")
-def admit_topk(a_current, k: int, active=None) -> Schedule:
+def admit_topk(a_current, k: int, active=None, limit=None) -> Schedule:
     """Admit the top-``k`` current survival probabilities (``k`` static = the bucket size).
 
     Returns a ``Schedule``; fewer than ``k`` tokens are admitted only when fewer candidates
-    exist (``#active · γ``).
+    exist (``#active · γ``) or ``limit`` (a traced budget ``<= k``: a data replica's own,
+    ``decode.replicas``) is smaller.
     """
     if not isinstance(k, int | np.integer) or k < 0:
         raise ValueError(f"top-K budget k must be a non-negative int; got {k!r}")
@@ -125,6 +126,8 @@ def admit_topk(a_current, k: int, active=None) -> Schedule:
     order, sorted_a = candidate_order(a, active)
     n_active = jnp.sum(active.astype(jnp.int32))
     n_admit = jnp.minimum(k, n_active * a.shape[1])
+    if limit is not None:
+        n_admit = jnp.minimum(n_admit, limit)
     mask = _mask_from_order(order, n_admit, a.shape)
     ranks = jnp.arange(sorted_a.shape[0])
     return Schedule(
