@@ -524,7 +524,12 @@ def load_for_serving(args, drafter_dir):
     what = f"target {args.target}" + (f", drafter {drafter_dir}" if drafter_dir else "")
     dtype = args.dtype or "float32"
     mesh = mesh_from_args(args)
-    where = "" if mesh is None else f" onto {mesh.size} devices (tensor {mesh.shape['tensor']})"
+    where = ""
+    if mesh is not None:
+        layout = f"tensor {mesh.shape['tensor']}"
+        if mesh.shape["data"] > 1:
+            layout = f"data {mesh.shape['data']} × {layout}"
+        where = f" onto {mesh.size} devices ({layout})"
     say(f"loading {what} ({dtype}){where}")
     t0 = time.perf_counter()
     models = load_models(args.target, drafter_dir, dtype=args.dtype, mesh=mesh)

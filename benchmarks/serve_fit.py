@@ -1,17 +1,18 @@
-"""Which tensor-parallel layout serves which Qwen3 size on a TPU slice: the engine's own
-decode round (``aot.compile_serve_round``: draft -> schedule -> packed verify -> commit,
-state by ``SpeculativeDecoder.state_shardings``) compiled by XLA:TPU for 1, 2, 4 and 8
-chips of v5e and v5p (libtpu on this host, nothing allocated), with its per-chip peak
+"""Which layout serves which Qwen3 size on a TPU slice: the engine's own decode round
+(``aot.compile_serve_round``: draft -> schedule -> packed verify -> commit, state by
+``SpeculativeDecoder.state_shardings``) compiled by XLA:TPU for data × tensor layouts of 1
+to 8 chips of v5e and v5p (libtpu on this host, nothing allocated), with its per-chip peak
 memory against the chip's HBM.
 
-    python benchmarks/serve_fit.py                    # 4B/8B/14B x v5e/v5p x tensor 1/2/4/8
+    python benchmarks/serve_fit.py                    # 4B/8B/14B x v5e/v5p x every layout
     python benchmarks/serve_fit.py --only 8B          # rows whose name contains "8B"
+    python benchmarks/serve_fit.py --layouts 2x4,8x1  # data x tensor
 
 Qwen3 targets in bf16 with the DSpark drafter at DeepSpec's released size (5 layers, Markov
-rank 256, γ = 7), R = 64 slots, max_len 4096 (the KV page pool holds every slot at
-max_len), the largest verify bucket K = R·γ. Tensor t runs on a t-chip slice (what
-``serve.py --tensor t`` uses); data-parallel replicas are not built yet, so a chip that
-the layout leaves out is not counted. A compile that runs out of HBM is a row that says so
+rank 256, γ = 7), R = 64 slots in all (R/data per replica), max_len 4096 (the KV page pool
+holds every slot at max_len), the largest verify bucket K = R/data·γ per replica. Data d ×
+tensor t runs on a d·t-chip slice (what ``serve.py --data d --tensor t`` uses); a chip the
+layout leaves out is not counted. A compile that runs out of HBM is a row that says so
 with the compiler's own figures. Writes ``benchmarks/results/serve_fit.{json,md}``.
 """
 
@@ -35,24 +36,27 @@ HBM_GB = {"v5e": 16.0, "v5p": 95.0}
 SIZES = ("qwen3-4b", "qwen3-8b", "qwen3-14b")
 
 
-def compile_row(preset: str, chip: str, tensor: int, slots: int, max_len: int) -> dict:
+def compile_row(
+    preset: str, chip: str, data: int, tensor: int, slots: int, max_len: int
+) -> dict:
     from dspark_jax import aot
     from dspark_jax.models.drafter_config import DrafterConfig
     from dspark_jax.models.presets import get_preset
     from dspark_jax.sharding import make_mesh
 
-    topology = TOPOLOGY[chip][max(tensor, 4)]
-    mesh = make_mesh(1, 1, tensor, devices=aot.topology_devices(topology)[:tensor])
-    if tensor < 4:
-        topology += f" (first {tensor} chip{'s' if tensor > 1 else ''})"
+    n = data * tensor
+    topology = TOPOLOGY[chip][max(n, 4)]
+    mesh = make_mesh(data, 1, tensor, devices=aot.topology_devices(topology)[:n])
+    if n < 4:
+        topology += f" (first {n} chip{'s' if n > 1 else ''})"
     target = get_preset(preset)
     drafter = DrafterConfig(
         kind="dspark", gamma=7, num_layers=5, markov_rank=256,
         mask_token_id=target.vocab_size - 1,
     ).resolve(target)  # fmt: skip
-    name = f"{preset.removeprefix('qwen3-').upper()} {chip} tensor {tensor}"
-    row = {"name": name, "preset": preset, "chip": chip, "tensor": tensor,
-           "topology": topology, "hbm_gb": HBM_GB[chip]}  # fmt: skip
+    name = row_name(preset, chip, data, tensor)
+    row = {"name": name, "preset": preset, "chip": chip, "data": data, "tensor": tensor,
+           "chips": n, "topology": topology, "hbm_gb": HBM_GB[chip]}  # fmt: skip
     t0 = time.perf_counter()
     try:
         report, _ = aot.compile_serve_round(
@@ -76,6 +80,11 @@ def compile_row(preset: str, chip: str, tensor: int, slots: int, max_len: int) -
     return row
 
 
+def row_name(preset: str, chip: str, data: int, tensor: int) -> str:
+    layout = f"tensor {tensor}" if data == 1 else f"data {data} × tensor {tensor}"
+    return f"{preset.removeprefix('qwen3-').upper()} {chip} {layout}"
+
+
 def render(report: dict) -> str:
     lines = [
         "# Serving layouts that fit (XLA:TPU, AOT)",
@@ -83,9 +92,10 @@ def render(report: dict) -> str:
         f"Produced by `{report['command']}` (libtpu {report['libtpu']}, jax {report['jax']}). "
         f"The engine's own decode round for Qwen3 targets in bf16 + the DSpark drafter "
         f"(5 layers, Markov rank 256, γ = 7), R = {report['slots']} slots, max_len "
-        f"{report['max_len']} (the KV pool holds every slot at max_len), verify budget "
-        "K = R·γ, tensor t on a t-chip slice. GB = 1e9 per chip; peak = arguments + outputs "
-        "− donated + temp, XLA:TPU's own plan.",
+        f"{report['max_len']} (the KV pool holds every slot at max_len; R/data per data "
+        "replica, each with its own pool), verify budget K = R/data·γ per replica, data d × "
+        "tensor t on a d·t-chip slice. GB = 1e9 per chip; peak = arguments + outputs − "
+        "donated + temp, XLA:TPU's own plan.",
         "",
         "| run | topology | target | drafter | KV pool | temp | peak | HBM | fits |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -102,10 +112,19 @@ def render(report: dict) -> str:
     lines.append("")
     for chip in ("v5e", "v5p"):
         for preset in SIZES:
-            ok = [r["tensor"] for r in report["rows"]
+            ok = [(r.get("chips", r["tensor"]), r.get("data", 1), r["tensor"])
+                  for r in report["rows"]
                   if r["chip"] == chip and r["preset"] == preset and r["fits"]]  # fmt: skip
             if any(r["chip"] == chip and r["preset"] == preset for r in report["rows"]):
-                fewest = f"--tensor {min(ok)}" if ok else "none of the layouts compiled here"
+                if ok:
+                    n = min(o[0] for o in ok)
+                    flags = " or ".join(
+                        f"--tensor {t}" if d == 1 else f"--data {d} --tensor {t}"
+                        for c, d, t in sorted(ok) if c == n
+                    )
+                    fewest = f"{n} chip{'s' * (n > 1)} ({flags})"
+                else:
+                    fewest = "none of the layouts compiled here"
                 lines.append(f"- {preset} on {chip}: fewest chips that fit: {fewest}.")
     return "\n".join(lines) + "\n"
 
@@ -114,7 +133,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default=None, help="rows whose name contains this")
     p.add_argument("--chips", default="v5e,v5p")
-    p.add_argument("--tensors", default="1,2,4,8")
+    p.add_argument(
+        "--layouts", default="1x1,1x2,1x4,1x8,2x4,4x2,8x1", help="data x tensor, comma-separated"
+    )
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--out", default=os.path.join(RESULTS, "serve_fit"))
@@ -126,11 +147,12 @@ def main(argv=None) -> int:
     rows = []
     for chip in args.chips.split(","):
         for preset in SIZES:
-            for t in (int(x) for x in args.tensors.split(",")):
-                name = f"{preset.removeprefix('qwen3-').upper()} {chip} tensor {t}"
+            for layout in args.layouts.split(","):
+                d, t = (int(x) for x in layout.lower().split("x"))
+                name = row_name(preset, chip, d, t)
                 if args.only and args.only not in name:
                     continue
-                row = compile_row(preset, chip, t, args.slots, args.max_len)
+                row = compile_row(preset, chip, d, t, args.slots, args.max_len)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     report = {

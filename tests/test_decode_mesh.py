@@ -1,7 +1,9 @@
-"""Decoding on a tensor-parallel mesh of fake CPU devices (decode/mesh.py): the same greedy
-tokens as autoregressive decoding on one device for every drafter kind and scheduler,
-exact sampling through the real step, load-invariant coupled seeds, one compilation per
-bucket, and errors that name the problem."""
+"""Decoding on a mesh of fake CPU devices (decode/mesh.py, decode/replicas.py): tensor
+parallel, data replicas and both: the same greedy tokens as autoregressive decoding on one
+device for every drafter kind and scheduler, exact sampling through the real step,
+load-invariant coupled seeds, one compilation per bucket, replicas that own their slots
+and page pools (admission to the least-loaded, page exhaustion in one replica queues and
+loses nothing, padding counted), and errors that name the problem."""
 
 import warnings
 
@@ -26,21 +28,24 @@ from test_decode_step import (
 from test_decode_step import target as target  # noqa: F401 (the module fixture)
 
 from dspark_jax.decode import mesh as mesh_lib
-from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
+from dspark_jax.decode.replicas import replica_count
+from dspark_jax.decode.step import SpeculativeDecoder, StepConfig, request_key_data
 from dspark_jax.engine.offline import Request, Runner
 from dspark_jax.testing import xla_compilations
 
 MAX_LEN = 48
 
 
-def _decoder(target, kind, mode, mesh, slots=3, sampling=False):
+def _decoder(target, kind, mode, mesh, slots=3, sampling=False, num_pages=None):
     model, params = target
     drafter, dparams = (None, None) if kind is None else _drafter(kind)
     g = 1 if drafter is None else drafter.config.draft_len
-    table = 1.0 / (1.0 + jnp.arange(slots * (g + 1) + 1) / (3 * slots))
+    per = slots // replica_count(mesh)  # the SPS table is one replica's
+    table = 1.0 / (1.0 + jnp.arange(per * (g + 1) + 1) / (3 * per))
     cfg = StepConfig(
-        num_slots=slots, max_len=MAX_LEN, scheduler=mode, threshold=0.3, sampling=sampling
-    )
+        num_slots=slots, max_len=MAX_LEN, scheduler=mode, threshold=0.3, sampling=sampling,
+        num_pages=num_pages,
+    )  # fmt: skip
     return SpeculativeDecoder(
         model, params, drafter, dparams, cfg,
         sps_table=table if mode in ("prefix", "topk") else None, mesh=mesh,
@@ -189,8 +194,8 @@ def test_state_layout_is_kept_by_every_step(target):  # noqa: F811
 
 
 def test_mesh_errors_name_the_problem(target):  # noqa: F811
-    with pytest.raises(ValueError, match=r"--data 2: data-parallel decoding .* not built yet"):
-        mesh_lib.decode_mesh(data=2)
+    with pytest.raises(ValueError, match=r"--data 4 --tensor 4 needs 16 devices but 8 cpu"):
+        mesh_lib.decode_mesh(data=4, tensor=4)
     with pytest.raises(ValueError, match=r"--tensor 16 needs 16 devices but 8 cpu"):
         mesh_lib.decode_mesh(tensor=16)
     with pytest.raises(ValueError, match=r"--tensor must be a positive integer"):
@@ -202,6 +207,8 @@ def test_mesh_errors_name_the_problem(target):  # noqa: F811
     cfg = StepConfig(num_slots=2, max_len=16, scheduler="none")
     with pytest.raises(ValueError, match=r"target parameter .*embed_tokens.* has shape"):
         SpeculativeDecoder(model, bad, None, None, cfg, mesh=mesh_lib.decode_mesh(tensor=2))
+    with pytest.raises(ValueError, match=r"--data 4 needs a slot count it divides .* got 2 slots"):
+        SpeculativeDecoder(model, params, None, None, cfg, mesh=mesh_lib.decode_mesh(data=4))
     dec = SpeculativeDecoder(model, params, None, None, cfg, mesh=mesh_lib.decode_mesh(tensor=2))
     weights = mesh_lib.per_device_bytes(dec.target_params)
     with pytest.raises(ValueError, match=r"the models do not fit: .* Try --tensor 4"):
@@ -210,3 +217,143 @@ def test_mesh_errors_name_the_problem(target):  # noqa: F811
     # Split weights: each device holds about half of the target.
     one = mesh_lib.per_device_bytes(params)
     assert weights < 0.75 * one, (weights, one)
+
+
+# -- data replicas (decode/replicas.py) ---------------------------------------------------
+DATA_CASES = [("dspark", "topk", 2, 4), ("dspark", "fixed", 8, 1)]
+
+
+@pytest.mark.parametrize(
+    "kind,mode,data,tensor",
+    DATA_CASES
+    + [
+        pytest.param(k, m, d, t, marks=_SLOW)
+        for d, t in ((2, 4), (8, 1), (2, 1))
+        for k, m in CASES
+        if (k, m, d, t) not in set(DATA_CASES)
+    ],
+)
+def test_greedy_on_data_replicas_equals_one_device(target, reference, kind, mode, data, tensor):  # noqa: F811
+    requests, want = reference
+    mesh = mesh_lib.decode_mesh(data=data, tensor=tensor)
+    dec = _decoder(target, kind, mode, mesh, slots=8)
+    buckets = (2, 6, dec.full_budget) if mode in ("topk", "prefix") else None
+    with xla_compilations() as compiled:
+        res, _ = Runner(dec, buckets=buckets).generate(requests)
+    for req, w, r in zip(requests, want, res):
+        _assert_same_greedy(target, req.prompt, w, r.tokens)
+    # Each replica holds its own slots and its own page pool (pages split over data).
+    state = dec.init_state()
+    assert state.cache.kv.sharding.spec[1] == "data", state.cache.kv.sharding
+    assert state.seq_len.sharding.spec[0] == "data", state.seq_len.sharding
+    chex.assert_shape(state.cache.kv, (None, data * dec.replica_pages, None, None, None))
+    assert compiled["prefill"] == 1, compiled
+    names = {"round", "plan", "commit"}
+    assert sum(compiled[n] for n in names) <= (1 + len(buckets) if buckets else 3), compiled
+
+
+def test_sampling_on_data_replicas_is_exact(target):  # noqa: F811
+    """T = 1 through the real step on data 2 × tensor 4 (each replica its own Algorithm 1
+    budget, verify lengths 0..γ): the first three tokens follow the target, and a 3 % move
+    of the target is rejected."""
+    model, params = target
+    drafter, dparams = _sensitive_drafter()
+    r, g = R_EXACT, 2
+    per = r // 2
+    table = 1.0 / (1.0 + jnp.arange(per * (g + 1) + 1) / (1.5 * per))
+    cfg = StepConfig(num_slots=r, max_len=24, scheduler="prefix", sampling=True)
+    dec = SpeculativeDecoder(
+        model, params, drafter, dparams, cfg, sps_table=table,
+        mesh=mesh_lib.decode_mesh(data=2, tensor=4),
+    )  # fmt: skip
+    setting = SAMPLING[1]
+    exact = _exact_first3(model, params, *setting)
+    counts, lengths = _sample_first3(dec, WAVES, *setting, buckets=(per // 2, per, per * g))
+    assert set(lengths) == set(range(g + 1)), lengths
+    p, chi2 = _chi2_pvalue(counts, exact)
+    assert p > 1e-3, (chi2, p)
+    assert _chi2_pvalue(counts, _shifted(exact, 0.03))[0] < 1e-3
+
+
+def test_coupled_seeds_give_the_same_tokens_on_data_replicas_under_load(target):  # noqa: F811
+    model, params = target
+    drafter, dparams = _drafter("dspark", gamma=4)
+    coupled = [
+        Request([3, 7, 1], 12, 1.0, seed=11, coupled=True),
+        Request([5, 6, 7, 8], 10, 0.8, top_k=6, top_p=0.9, seed=2**40 + 3, coupled=True),
+    ]
+    others = [Request(PROMPTS[i] + [i], 5 + 2 * i, 1.0) for i in range(6)]
+    loaded = others[:3] + coupled[:1] + others[3:] + coupled[1:]
+
+    def run(mesh, requests, slots):
+        per = slots // replica_count(mesh)
+        table = 1.0 / (1.0 + jnp.arange(per * 5 + 1) / (3 * per))
+        dec = SpeculativeDecoder(
+            model, params, drafter, dparams,
+            StepConfig(num_slots=slots, max_len=40, scheduler="topk", sampling=True),
+            sps_table=table, mesh=mesh,
+        )  # fmt: skip
+        res, _ = Runner(dec, buckets=(2, per * 2, per * 4), seed=3).generate(requests)
+        return {tuple(q.prompt): r.tokens for q, r in zip(requests, res) if q.coupled}
+
+    alone = run(None, coupled, 1)
+    assert run(mesh_lib.decode_mesh(data=2, tensor=4), loaded, 4) == alone
+
+
+def test_replicas_admit_to_the_least_loaded_and_queue_on_their_own_pages(target, reference):  # noqa: F811
+    """Four slots over two replicas, each pool holding only two short requests at once:
+    requests alternate between the replicas (least loaded first), a replica whose pages
+    are spent takes nothing until one of its requests ends (the others wait in the queue,
+    none dropped), and every output equals the one-device tokens."""
+    from dspark_jax.engine.core import CoreRequest, EngineCore, RoundDone
+
+    requests, want = reference
+    mesh = mesh_lib.decode_mesh(data=2, tensor=2)
+    # Per replica: the null page + 2 pages of 16 positions, one request's worth (prompt +
+    # max_new + γ <= 32), for its two slots.
+    dec = _decoder(target, "dspark", "fixed", mesh, slots=4, num_pages=2 * 3)
+    assert dec.replica_pages == 3
+    core = EngineCore(dec)
+    core.reset()
+    assert len(core.pages) == 2 and core.pages.capacity == 4
+    reqs = [
+        CoreRequest(q.prompt, q.max_new_tokens, 0.0, 0, 1.0, request_key_data(0, i), tag=i)
+        for i, q in enumerate(requests)
+    ]
+    for r in reqs:
+        core.add(r)
+    placed, tokens, padding = {}, {i: [] for i in range(len(reqs))}, 0
+    while core.has_work:
+        for ev in core.step():
+            if isinstance(ev, RoundDone):
+                padding += ev.padding
+                continue
+            tokens[ev.request.tag].extend(ev.tokens)
+        for s, r in enumerate(core.slots):
+            if r is not None and r.tag not in placed:
+                placed[r.tag] = s // dec.replica_slots
+    assert [tokens[i] for i in range(len(reqs))] == want
+    # First two go to different replicas (each empty, the least loaded first).
+    assert placed[0] != placed[1], placed
+    assert sorted(set(placed.values())) == [0, 1], placed
+    assert core.times.page_waits > 0  # pages, not slots, held requests back
+    assert core.pages.free == core.pages.capacity  # every page came back
+    assert padding >= 0
+
+
+def test_padding_counts_rows_run_for_the_other_replica(target):  # noqa: F811
+    """Fixed γ per occupied slot: with three requests in one replica and one in the other,
+    the round runs the busier replica's bucket and the quieter one pads the difference."""
+    from dspark_jax.decode.policy import RoundPolicy
+
+    mesh = mesh_lib.decode_mesh(data=2)
+    dec = _decoder(target, "dspark", "fixed", mesh, slots=8)
+    policy = RoundPolicy(dec, buckets=(2, 4, 6, 8))
+    g = dec.gamma
+    occupied = np.array([1, 1, 1, 0, 1, 0, 0, 0], bool)
+    own = policy.replica_budgets(occupied)
+    assert own == [min(b for b in policy.buckets if b >= 3 * g),
+                   min(b for b in policy.buckets if b >= g)]  # fmt: skip
+    state = dec.init_state()
+    state, _, budget, _ = policy.dispatch(state, occupied)
+    assert budget == max(own) and policy.last_padding == max(own) - min(own) > 0

@@ -1,7 +1,9 @@
-"""``serve.py --tensor 4`` on 8 fake CPU devices: the bundled target read straight onto a
-tensor-parallel mesh answers the ``openai`` client (completion and stream) with plain
-greedy decoding's tokens, and ``/metrics`` names the mesh."""
+"""``serve.py --data 2 --tensor 4`` on 8 fake CPU devices: the bundled target read straight
+onto two replicas of a tensor-parallel mesh answers the ``openai`` client (completion and
+stream, concurrently) with plain greedy decoding's tokens, and ``/metrics`` names the mesh
+and counts the replicas' padding."""
 
+import concurrent.futures
 import os
 import pathlib
 import signal
@@ -25,10 +27,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_on_a_tensor_mesh_answers_the_openai_client(tmp_path):
+def test_serve_on_data_replicas_of_a_tensor_mesh_answers_the_openai_client(tmp_path):
     port = _free_port()
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))  # 8 fake devices: conftest's flags
-    cmd = [sys.executable, serve.__file__, "--tensor", "4", "--scheduler", "fixed"]
+    cmd = [sys.executable, serve.__file__, "--data", "2", "--tensor", "4", "--scheduler", "fixed"]
     cmd += ["--slots", "2", "--max-len", "96", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -44,15 +46,19 @@ def test_serve_on_a_tensor_mesh_answers_the_openai_client(tmp_path):
         assert proc.poll() is None, proc.communicate()[1]
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         prompt = "def fibonacci(n):\n"
-        done = client.completions.create(
-            model="target", prompt=prompt, max_tokens=24, temperature=0
-        )
-        streamed = "".join(
-            c.choices[0].text
-            for c in client.completions.create(
-                model="target", prompt=prompt, max_tokens=24, temperature=0, stream=True
-            )
-        )
+        # Both at once: one on each replica (the least-loaded one takes the second).
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            done = pool.submit(
+                client.completions.create,
+                model="target", prompt=prompt, max_tokens=24, temperature=0,
+            )  # fmt: skip
+            streamed = pool.submit(lambda: "".join(
+                c.choices[0].text
+                for c in client.completions.create(
+                    model="target", prompt=prompt, max_tokens=24, temperature=0, stream=True
+                )
+            ))  # fmt: skip
+            done, streamed = done.result(), streamed.result()
         metrics = httpx.get(url + "/metrics", timeout=10).text
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -62,8 +68,9 @@ def test_serve_on_a_tensor_mesh_answers_the_openai_client(tmp_path):
             proc.kill()
             _, err = proc.communicate()
     assert proc.returncode == 0, err
-    assert "onto 4 devices (tensor 4)" in err
-    assert 'dspark_mesh_devices{data="1",platform="cpu",tensor="4"} 4.0' in metrics
+    assert "onto 8 devices (data 2 × tensor 4)" in err
+    assert 'dspark_mesh_devices{data="2",platform="cpu",tensor="4"} 8.0' in metrics
+    assert "dspark_replica_padding_rows " in metrics
     assert "dspark_compilations_after_warmup 0.0" in metrics
     # Greedy speculative decoding on the mesh = plain greedy decoding on one device.
     target = load_target(serve.DEFAULT_TARGET)

@@ -38,10 +38,11 @@ def compile_serve_round(
     budget ``budget`` (default: all drafts, ``R·γ``), with bf16 weights and cache.
 
     Target weights follow the rules table (embed over ``fsdp``, heads/MLP/vocab over
-    ``tensor``); the paged KV pool (every slot at ``max_len``, pages of ``page_size``) is
-    split over KV heads (``tensor``), the drafter context (K/V rows for DSpark/DFlash) over
-    slots (``data``×``fsdp``) and KV heads. ``attention`` ``auto`` resolves for the mesh's
-    platform (the TPU kernel for a TPU topology).
+    ``tensor``); the paged KV pool (every slot at ``max_len``, pages of ``page_size``) and
+    the drafter's paged context are split over KV heads (``tensor``) and, with data
+    replicas, into one pool per replica (``data``: each replica runs ``slots / data`` slots
+    and verifies ``budget`` rows of its own). ``attention`` ``auto`` resolves for the
+    mesh's platform (the TPU kernel for a TPU topology).
     """
     from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
     from dspark_jax.models.drafters import init_drafter_params, make_drafter
@@ -74,6 +75,9 @@ def compile_serve_round(
                 page_size=page_size,
                 attention=resolve_backend(attention, mesh.devices.flat[0].platform, tcfg.head_dim),
             ),
+            # On the mesh, as the engine runs it: data replicas, if any, each run their
+            # own block of slots and page pool (decode.replicas).
+            mesh=mesh,
         )
         budget = dec.full_budget if budget is None else int(budget)
         state = jax.eval_shape(dec.init_state)

@@ -80,6 +80,7 @@ from dspark_jax.decode.state import (  # noqa: F401
 from dspark_jax.decode.verify import verify_coupled, verify_greedy, verify_sampling
 from dspark_jax.models.draft_api import DraftContext, SamplingSettings, next_tokens
 from dspark_jax.models.qwen3 import Qwen3, init_cache
+from dspark_jax.ops.branching import same_on_every_device
 from dspark_jax.ops.paged_attention import (
     NULL_PAGE,
     RaggedLayout,
@@ -244,9 +245,7 @@ class SpeculativeDecoder:
         # The plan returns the state too: a DSpark/DFlash draft writes its block K/V into
         # the paged drafter context in place (donated, like every round).
         self._plan = jax.jit(pin(plan_fn, "plan"), static_argnums=(2,), donate_argnums=(1,))
-        self._commit = jax.jit(
-            pin(commit_fn, "commit"), static_argnums=(3,), donate_argnums=(1,)
-        )
+        self._commit = jax.jit(pin(commit_fn, "commit"), static_argnums=(3,), donate_argnums=(1,))
         self._prefill = jax.jit(pin(prefill_fn, "prefill"), donate_argnums=(1,))
         # A state edited on the host, put back in the layout the rounds return (on a mesh,
         # the specs jit gives its outputs, which is what the next call is keyed on).
@@ -805,7 +804,8 @@ class SpeculativeDecoder:
         if out is not None and out.context is not None:
             state = state._replace(ctx_feats=out.context)
         survival = jnp.cumprod(conf, axis=1)
-        lengths = self._schedule(survival, active, budget, params[2], limit)
+        limited = () if limit is None else (limit,)  # a data replica's own budget
+        lengths = self._schedule(survival, active, budget, params[2], *limited)
         # Cap by cache room and max_new so no write goes past max_len (lengths only).
         room = jnp.maximum(c.max_len - 2 - state.seq_len, 0)
         lengths = jnp.minimum(lengths, jnp.minimum(room, jnp.maximum(state.remaining - 1, 0)))
@@ -975,7 +975,7 @@ class SpeculativeDecoder:
             coupled = state.coupled & active
             # The Gumbel noise over [R, γ+1, V] is drawn only in rounds with a coupled slot.
             accepted, next_tok, out_tokens = jax.lax.cond(
-                jnp.any(coupled),
+                same_on_every_device(jnp.any(coupled)),
                 lambda: jax.tree.map(
                     lambda a, b: jnp.where(coupled.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
                     verify_coupled(

@@ -345,9 +345,7 @@ class EngineCore:
                 r, [int(x) for x in out.tokens[s, :n]], code, lps, index,
                 int(out.accepted[s]), int(out.verified[s]), out.survival[s], out.draft_tokens[s],
             ))  # fmt: skip
-        events.append(
-            RoundDone(index, seconds, budget, taus, int(np.sum(out.verified)), padding)
-        )
+        events.append(RoundDone(index, seconds, budget, taus, int(np.sum(out.verified)), padding))
 
     def _emit(self, events: list, event: Emitted) -> None:
         if event.finish != FINISH_NONE:  # the device deactivated the slot: free it now

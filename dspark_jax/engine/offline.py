@@ -53,6 +53,8 @@ class GenerationStats:
     wall_seconds: float
     mean_budget: float
     compiled_budgets: list[int]
+    # Verify rows run beyond the data replicas' own buckets (0 with one replica).
+    padding_rows: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -123,13 +125,14 @@ class Runner:
                 self.request_keys(i, req), req.coupled, tag=i,
             ))  # fmt: skip
         results: dict[int, SampleResult] = {}
-        rounds = generated = budget_sum = 0
+        rounds = generated = budget_sum = padding = 0
         start = time.perf_counter()
         while core.has_work:
             for ev in core.step():
                 if isinstance(ev, RoundDone):
                     rounds += 1
                     budget_sum += ev.budget
+                    padding += ev.padding
                     continue
                 generated += self._record(ev, results, requests)
                 if ev.finish != FINISH_NONE:
@@ -142,6 +145,7 @@ class Runner:
             wall_seconds=time.perf_counter() - start,
             mean_budget=budget_sum / max(rounds, 1),
             compiled_budgets=list(self.buckets),
+            padding_rows=padding,
         )
         return [results[i] for i in range(len(requests))], stats
 

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.ops.branching import same_on_every_device
+
 __all__ = [
     "SamplingSettings",
     "StepKeys",
@@ -103,7 +105,7 @@ def process_logits(logits: jax.Array, temperature=1.0, top_k=0, top_p=1.0) -> ja
         return jnp.where(x >= cutoff, x, -jnp.inf)
 
     # A full-vocabulary sort is the dominant cost; skip it when no row filters.
-    needs_filter = jnp.any(k > 0) | jnp.any(p < 1.0)
+    needs_filter = same_on_every_device(jnp.any(k > 0) | jnp.any(p < 1.0))
     scaled = jax.lax.cond(needs_filter, filtered, lambda x: x, scaled)
     probs = jax.nn.softmax(scaled, axis=-1)
     one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)

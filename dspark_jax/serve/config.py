@@ -122,10 +122,14 @@ class EngineStats:
     idle_seconds: float = 0.0
     # Admission passes where the next request had a free slot but not enough free KV pages.
     page_waits: int = 0
+    # Verify rows run beyond the data replicas' own buckets (decode.replicas).
+    padding_rows: int = 0
 
-    def record_round(self, seconds: float, budget: int, taus: list[int]) -> None:
-        """One decode round: its wall time, verify budget and tokens emitted per slot."""
+    def record_round(self, seconds: float, budget: int, taus: list[int], padding: int = 0) -> None:
+        """One decode round: its wall time, verify budget, tokens emitted per slot and
+        rows padded for other data replicas' budgets."""
         self.rounds += 1
+        self.padding_rows += padding
         self.budget_sum += budget
         self.slot_rounds += len(taus)
         self.emitted_tokens += sum(taus)

@@ -369,7 +369,7 @@ class Engine(Service):
         try:
             for ev in events:
                 if isinstance(ev, RoundDone):
-                    self.stats.record_round(ev.seconds, ev.budget, ev.taus)
+                    self.stats.record_round(ev.seconds, ev.budget, ev.taus, ev.padding)
                     if self.listener is not None:
                         self.listener.on_round(ev.seconds, ev.budget, ev.taus, ev.verified)
                 else:

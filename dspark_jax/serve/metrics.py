@@ -67,6 +67,12 @@ class EngineMetrics:
             "Executables compiled after warm-up (should stay 0)",
             registry=r,
         )
+        self.replica_padding = Gauge(
+            "dspark_replica_padding_rows",
+            "Verify rows run since start beyond each data replica's own budget (a replica "
+            "runs the round's common bucket, the largest replica's; 0 with one replica)",
+            registry=r,
+        )
         self.engine_up = Gauge("dspark_engine_up", "1 while the engine loop runs", registry=r)
         self.engine_seconds = Gauge(
             "dspark_engine_seconds",
@@ -128,6 +134,7 @@ class EngineMetrics:
             lambda: engine.queue_depth if engine.waiting_for_pages else 0
         )
         self.page_waits.set_function(lambda: engine.stats.page_waits)
+        self.replica_padding.set_function(lambda: engine.stats.padding_rows)
         self.attention.labels(engine.attention_backend).set(1)
         m = engine.mesh
         self.mesh.labels(str(m["data"]), str(m["tensor"]), m["platform"]).set(m["devices"])
