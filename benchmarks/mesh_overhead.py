@@ -1,6 +1,7 @@
-"""What a tensor-parallel mesh costs on the host: the same offline generation (the bundled
-target + DSpark drafter, greedy, the decoder's own host loop) on one device and on
-``tensor`` 2 and 4 of 8 fake CPU devices, arms interleaved in one process.
+"""What a decode mesh costs on the host: the same offline generation (the bundled target +
+DSpark drafter, greedy, the decoder's own host loop) on one device and on data × tensor
+layouts of 8 fake CPU devices (tensor 2 and 4, data 2 × tensor 4, data 8), arms
+interleaved in one process.
 
     python benchmarks/mesh_overhead.py                 # writes benchmarks/results/mesh_overhead.{json,md}
 
@@ -35,10 +36,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=os.path.join(REPO, "assets", "target"))
     p.add_argument("--drafter", default=os.path.join(REPO, "assets", "drafters", "dspark"))
-    p.add_argument("--tensors", default="1,2,4", help="tensor sizes, comma-separated")
+    p.add_argument(
+        "--layouts", default="1x1,1x2,1x4,2x4,8x1", help="data x tensor, comma-separated"
+    )
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--slots", type=int, default=4)
+    p.add_argument("--slots", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=os.path.join(RESULTS, "mesh_overhead"))
     args = p.parse_args(argv)
@@ -52,11 +55,11 @@ def main(argv=None) -> int:
     from dspark_jax.engine.core import CoreTimes
     from dspark_jax.engine.offline import Request, Runner
 
-    tensors = [int(t) for t in args.tensors.split(",")]
+    layouts = [tuple(int(x) for x in s.lower().split("x")) for s in args.layouts.split(",")]
     texts = [f"def function_{i}(x, y):\n    " for i in range(args.prompts)]
     arms = {}
-    for t in tensors:
-        mesh = decode_mesh(tensor=t)
+    for d, t in layouts:
+        mesh = decode_mesh(data=d, tensor=t)
         target = load_target(args.target, mesh=mesh)
         drafter = load_drafter_dir(args.drafter, target)
         ids = [target.tokenizer.encode(s) for s in texts]
@@ -69,30 +72,34 @@ def main(argv=None) -> int:
         runner.warmup([16])
         requests = [Request(p, args.max_new_tokens) for p in ids]
         runner.generate(requests)  # every occupancy level's bucket compiled
-        arms[t] = (runner, requests)
-    walls = {t: [] for t in tensors}
-    for t in tensors:  # the timed runs only
-        arms[t][0].core.times = CoreTimes()
+        arms[d, t] = (runner, requests)
+    walls = {a: [] for a in layouts}
+    padding = {a: 0 for a in layouts}
+    for a in layouts:  # the timed runs only
+        arms[a][0].core.times = CoreTimes()
     tokens = {}
     for _ in range(args.repeats):
-        for t in tensors:  # interleaved: drift on a shared machine hits every arm alike
-            runner, requests = arms[t]
+        for a in layouts:  # interleaved: drift on a shared machine hits every arm alike
+            runner, requests = arms[a]
             t0 = time.perf_counter()
             res, stats = runner.generate(requests)
-            walls[t].append(time.perf_counter() - t0)
-            tokens[t] = [r.tokens for r in res]
+            walls[a].append(time.perf_counter() - t0)
+            tokens[a] = [r.tokens for r in res]
+            padding[a] += stats.padding_rows
             n_tokens = stats.generated_tokens
-    base = statistics.median(walls[tensors[0]])
+    base = statistics.median(walls[layouts[0]])
     rows = []
-    for t in tensors:
-        wall = statistics.median(walls[t])
+    for a in layouts:
+        wall = statistics.median(walls[a])
         rows.append({
-            "tensor": t,
+            "data": a[0],
+            "tensor": a[1],
             "median_seconds": round(wall, 4),
             "tokens_per_second": round(n_tokens / wall, 1),
             "ratio_to_one_device": round(wall / base, 3),
-            "same_tokens_as_one_device": tokens[t] == tokens[tensors[0]],
-            "host_share": round(arms[t][0].core.times.host_share, 4),
+            "same_tokens_as_one_device": tokens[a] == tokens[layouts[0]],
+            "host_share": round(arms[a][0].core.times.host_share, 4),
+            "padding_rows_per_run": padding[a] / args.repeats,
         })  # fmt: skip
     report = {
         "command": "python benchmarks/mesh_overhead.py " + " ".join(argv or sys.argv[1:]),
@@ -111,7 +118,7 @@ def main(argv=None) -> int:
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=2)
     lines = [
-        "# Tensor-parallel mesh overhead on CPU (fake devices)",
+        "# Decode mesh overhead on CPU (fake devices)",
         "",
         f"Produced by `{report['command'].strip()}` ({report['devices']}, "
         f"{report['cpu_cores']} cores, jax {report['jax']}). Bundled target + DSpark drafter, "
@@ -119,15 +126,17 @@ def main(argv=None) -> int:
         f"median of {args.repeats} interleaved runs after warm-up. Fake devices share the "
         "cores: the ratio bounds the mesh's overhead, not a speed-up. Host share: the engine "
         "core's dispatch and output handling over its busy time (the rest waits on the "
-        "device).",
+        "device). Padding: verify rows a data replica ran beyond its own bucket, per run.",
         "",
-        "| tensor | median s | tokens/s | × one device | host share | same tokens |",
-        "|---|---|---|---|---|---|",
+        "| data | tensor | median s | tokens/s | × one device | host share | padding rows "
+        "| same tokens |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['tensor']} | {r['median_seconds']:.3f} | {r['tokens_per_second']:.1f} | "
-            f"{r['ratio_to_one_device']:.2f} | {r['host_share']:.1%} | "
+            f"| {r['data']} | {r['tensor']} | {r['median_seconds']:.3f} | "
+            f"{r['tokens_per_second']:.1f} | {r['ratio_to_one_device']:.2f} | "
+            f"{r['host_share']:.1%} | {r['padding_rows_per_run']:.0f} | "
             f"{'yes' if r['same_tokens_as_one_device'] else 'no'} |"
         )
     with open(args.out + ".md", "w") as f:

@@ -4,6 +4,7 @@ this host; ``pip install -e '.[tpu]'``).
 
     python benchmarks/roofline.py --topology v5p:2x2x1 --tensor 4      # 8B + 5-layer DSpark
     python benchmarks/roofline.py --topology v5p:2x2x2 --tensor 8 --budgets 0,56,448
+    python benchmarks/roofline.py --topology v5p:2x2x2 --data 2 --tensor 4  # two replicas
     python benchmarks/roofline.py --quick       # tiny models on v5e:2x2 (seconds; a check)
 
 For each budget K (B = R + K verified tokens) the round is compiled with the target's layer
@@ -12,7 +13,9 @@ bytes accessed, the hand-counted flops (``perf.roofline.round_flops_hand_count``
 floor bytes (weights + each slot's KV and drafter context up to ``--context-fraction`` of
 max_len, each read once), bytes / floor, the modelled time max(flops/peak, bytes/HBM BW)
 from the chip's public figures (``perf.roofline.CHIPS``) and the modelled SPS(B), plus the
-largest producers of bytes in the program. Writes ``<out>.json``, ``<out>.md`` and
+largest producers of bytes in the program. With ``--data d`` the round is the engine's
+own with d replicas (``decode.replicas``), R slots and K verified drafts *each*, and every
+figure is per chip (one replica's share). Writes ``<out>.json``, ``<out>.md`` and
 ``<out>_sps.json`` (the modelled SPS table in the format ``--sps-cache`` reads).
 """
 
@@ -31,7 +34,10 @@ sys.path.insert(0, REPO)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", default="v5p:2x2x1", help="TPU topology, e.g. v5p:2x2x1")
-    p.add_argument("--tensor", type=int, default=4, help="tensor-parallel ways (mesh 1,D/t,t)")
+    p.add_argument("--tensor", type=int, default=4, help="tensor-parallel ways (mesh d,D/dt,t)")
+    p.add_argument(
+        "--data", type=int, default=1, help="data replicas, each with R slots (decode.replicas)"
+    )
     p.add_argument("--preset", default="qwen3-8b", help="target shape (models/presets.py)")
     p.add_argument(
         "--drafter",
@@ -42,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--drafter-layers", type=int, default=5, help="DSpark draft layers")
     p.add_argument("--gamma", type=int, default=7)
     p.add_argument("--markov-rank", type=int, default=256)
-    p.add_argument("--slots", type=int, default=64, help="request slots R")
+    p.add_argument("--slots", type=int, default=64, help="request slots R (per data replica)")
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument(
         "--context-fraction",
@@ -68,7 +74,8 @@ def parse_args(argv=None):
     if args.out is None:
         name = "roofline_quick" if args.quick else f"roofline_{args.topology.replace(':', '_')}"
         arm = "" if args.drafter == "dspark" else f"_{args.drafter}"
-        args.out = os.path.join(REPO, "benchmarks", "results", f"{name}_tp{args.tensor}{arm}")
+        dp = "" if args.data == 1 else f"_dp{args.data}"
+        args.out = os.path.join(REPO, "benchmarks", "results", f"{name}{dp}_tp{args.tensor}{arm}")
     return args
 
 
@@ -82,9 +89,12 @@ def run(args) -> dict:
 
     chip = rl.chip_for_topology(args.topology)
     devices = aot.topology_devices(args.topology)
-    if len(devices) % args.tensor:
-        raise ValueError(f"--tensor {args.tensor} does not divide {len(devices)} chips")
-    mesh = aot.aot_mesh(f"1,{len(devices) // args.tensor},{args.tensor}", topology=args.topology)
+    dt = args.data * args.tensor
+    if len(devices) % dt:
+        raise ValueError(
+            f"--data {args.data} × --tensor {args.tensor} does not divide {len(devices)} chips"
+        )
+    mesh = aot.aot_mesh(f"{args.data},{len(devices) // dt},{args.tensor}", topology=args.topology)
     target = get_preset(args.preset).replace(scan_layers=False)
     if args.drafter == "none":
         drafter, gamma, scheduler = None, 0, "none"
@@ -114,8 +124,9 @@ def run(args) -> dict:
     for k in budgets:
         t0 = time.perf_counter()
         report, compiled = aot.compile_serve_round(
-            target, drafter, mesh, args.slots, args.max_len, budget=k, scheduler=scheduler
-        )
+            target, drafter, mesh, args.slots * args.data, args.max_len, budget=k,
+            scheduler=scheduler,
+        )  # fmt: skip
         cost = rl.cost_of(compiled)
         hlo = compiled.as_text()
         # The Pallas attention kernel is opaque to XLA's cost analysis: add its model. Its
@@ -151,7 +162,7 @@ def run(args) -> dict:
         hand = rl.round_flops_hand_count(
             target, drafter, slots=args.slots, budget=k, context_len=context_len
         )
-        hand_per_chip = hand["total"] / mesh.size
+        hand_per_chip = hand["total"] / (mesh.size // args.data)  # one replica's chips
         # HBM traffic only (perf.hlo_bytes hbm_only): XLA's figure also counts transfers to
         # and from on-chip memory (weights prefetched into VMEM count at the copy and again
         # at their consumer) and a gather's whole table.
@@ -212,6 +223,7 @@ def run(args) -> dict:
         "topology": args.topology,
         "chip": chip.__dict__,
         "tensor": args.tensor,
+        "data": args.data,
         "mesh": dict(mesh.shape),
         "compiler": aot.compiler_info(mesh),
         "target": args.preset,
@@ -327,10 +339,13 @@ def markdown(res: dict) -> str:
     )
     lines = [
         f"# Roofline of the decode round: {res['target']} + {what} on {res['topology']} "
-        f"(tensor = {res['tensor']})",
+        + (f"(data = {res['data']} × " if res.get("data", 1) > 1 else "(")
+        + f"tensor = {res['tensor']})",
         "",
         f"Produced by `{res['command']}` with {res['compiler']['compiler']} (libtpu "
-        f"{res['compiler'].get('libtpu')}); R = {res['slots']}, max_len = {res['max_len']}, "
+        f"{res['compiler'].get('libtpu')}); R = {res['slots']}"
+        + (" per data replica" if res.get("data", 1) > 1 else "")
+        + f", max_len = {res['max_len']}, "
         f"slots at {res['context_fraction']:.0%} of max_len for the floor; chip figures "
         f"{chip['bf16_tflops']:.0f} bf16 TFLOP/s, {chip['hbm_gb_per_s']:.0f} GB/s "
         f"([source]({chip['source']})). Per chip; modelled time = max(flops / peak, "
@@ -417,7 +432,9 @@ def sps_table(res: dict) -> dict:
     secs = {r["B"]: r["modelled_ms"] / 1e3 for r in res["rows"]}
     kind = res.get("drafter_kind", "dspark")
     key = (
-        f"modelled|{res['topology']}|tensor={res['tensor']}|R={res['slots']}|"
+        f"modelled|{res['topology']}|"
+        + (f"data={res['data']}|" if res.get("data", 1) > 1 else "")
+        + f"tensor={res['tensor']}|R={res['slots']}|"
         f"max_len={res['max_len']}|drafter={kind}"
     )
     return {key: SPSTable.from_seconds(secs).to_json()}

@@ -7,6 +7,7 @@ memory against the chip's HBM.
     python benchmarks/serve_fit.py                    # 4B/8B/14B x v5e/v5p x every layout
     python benchmarks/serve_fit.py --only 8B          # rows whose name contains "8B"
     python benchmarks/serve_fit.py --layouts 2x4,8x1  # data x tensor
+    python benchmarks/serve_fit.py --layouts 2x4 --merge   # add rows to the existing table
 
 Qwen3 targets in bf16 with the DSpark drafter at DeepSpec's released size (5 layers, Markov
 rank 256, γ = 7), R = 64 slots in all (R/data per replica), max_len 4096 (the KV page pool
@@ -36,9 +37,7 @@ HBM_GB = {"v5e": 16.0, "v5p": 95.0}
 SIZES = ("qwen3-4b", "qwen3-8b", "qwen3-14b")
 
 
-def compile_row(
-    preset: str, chip: str, data: int, tensor: int, slots: int, max_len: int
-) -> dict:
+def compile_row(preset: str, chip: str, data: int, tensor: int, slots: int, max_len: int) -> dict:
     from dspark_jax import aot
     from dspark_jax.models.drafter_config import DrafterConfig
     from dspark_jax.models.presets import get_preset
@@ -120,7 +119,8 @@ def render(report: dict) -> str:
                     n = min(o[0] for o in ok)
                     flags = " or ".join(
                         f"--tensor {t}" if d == 1 else f"--data {d} --tensor {t}"
-                        for c, d, t in sorted(ok) if c == n
+                        for c, d, t in sorted(ok)
+                        if c == n
                     )
                     fewest = f"{n} chip{'s' * (n > 1)} ({flags})"
                 else:
@@ -139,6 +139,12 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--out", default=os.path.join(RESULTS, "serve_fit"))
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the existing table's other rows (same slots, max_len and versions); "
+        "the page lists every command that produced a row",
+    )
     args = p.parse_args(argv)
     import jax
 
@@ -164,6 +170,26 @@ def main(argv=None) -> int:
         "rows": rows,
     }
     report["command"] = report["command"].strip()
+    if args.merge and os.path.isfile(args.out + ".json"):
+        with open(args.out + ".json") as f:
+            old = json.load(f)
+        same = ("jax", "libtpu", "slots", "max_len")
+        if any(old.get(k) != report[k] for k in same):
+            raise SystemExit(
+                "--merge: the existing table was made with other settings or versions "
+                f"({ {k: old.get(k) for k in same} }); rerun it whole"
+            )
+        new = {r["name"] for r in rows}
+        kept = [r for r in old["rows"] if r["name"] not in new]
+        order = {row_name(p, c, d, t): i for i, (c, p, d, t) in enumerate(
+            (c, p, *(int(x) for x in lay.split("x")))
+            for c in ("v5e", "v5p") for p in SIZES
+            for lay in "1x1,1x2,1x4,1x8,2x4,4x2,8x1".split(",")
+        )}  # fmt: skip
+        report["rows"] = sorted(kept + rows, key=lambda r: order.get(r["name"], len(order)))
+        commands = old.get("commands", [old["command"]])
+        report["commands"] = commands + [report["command"]]
+        report["command"] = " and ".join(f"`{c}`" for c in report["commands"]).strip("`")
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=2)
     with open(args.out + ".md", "w") as f:

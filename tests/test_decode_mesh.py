@@ -130,6 +130,7 @@ def test_greedy_on_a_tensor_mesh_equals_one_device(target, reference, kind, mode
     assert sum(compiled[n] for n in names) <= (1 + len(buckets) if buckets else 3), compiled
 
 
+@_SLOW  # data 2 × tensor 4 below covers the tensor split too (default run)
 def test_sampling_on_a_tensor_mesh_is_exact(target):  # noqa: F811
     """T = 1 through the real step on tensor 4, Algorithm 1's bucketed path admitting every
     verify length 0..γ: the first three tokens follow the target (and a 3 % move of the
@@ -152,6 +153,7 @@ def test_sampling_on_a_tensor_mesh_is_exact(target):  # noqa: F811
     assert _chi2_pvalue(counts, _shifted(exact, 0.03))[0] < 1e-3
 
 
+@_SLOW  # data 2 × tensor 4 below covers the tensor split too (default run)
 def test_coupled_seeds_give_the_same_tokens_on_the_mesh_under_load(target):  # noqa: F811
     model, params = target
     drafter, dparams = _drafter("dspark", gamma=4)
