@@ -80,6 +80,8 @@ def parse_args(argv=None):
 
 
 def run(args) -> dict:
+    import jax
+
     from dspark_jax import aot
     from dspark_jax.decode.policy import default_buckets
     from dspark_jax.models.drafter_config import DrafterConfig
@@ -87,6 +89,15 @@ def run(args) -> dict:
     from dspark_jax.perf import hlo_bytes
     from dspark_jax.perf import roofline as rl
 
+    if args.data > 1 and tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11):
+        # Seen with jax 0.10.2 / libtpu 0.0.42.1: the unrolled round with data replicas and
+        # the TPU kernel aborts the process in XLA's SPMD partitioner ("Check failed:
+        # target.IsManualSubgroup() == sharding().IsManualSubgroup()"); jax 0.12.1 /
+        # libtpu 0.0.52 compiles it (the scanned serving round compiles on both).
+        raise SystemExit(
+            f"--data {args.data}: the unrolled round with data replicas needs jax >= 0.11 "
+            f"(this is {jax.__version__}, whose XLA:TPU aborts on it); use Python 3.12+"
+        )
     chip = rl.chip_for_topology(args.topology)
     devices = aot.topology_devices(args.topology)
     dt = args.data * args.tensor
