@@ -48,6 +48,12 @@ synchronous Algorithm-1 path (``prefix`` with several buckets, see ``Runner``) r
 two executables instead: the host reads ``Σ l`` from the plan, picks the smallest compiled
 bucket ``K >= Σ l`` and verifies the *same* drafts in it, so pruning saves real compute
 (the lengths never depend on the tokens they admit, so the bucket choice stays exact).
+
+This module holds the decoder: its compiled functions, the state's layout and the host
+API. The computation is in one module per piece: ``decode.plan_step`` (steps 1-2),
+``decode.commit_step`` (steps 3-4: packing, verify, commit), ``decode.prefill_step``,
+``decode.keys`` (random streams), ``decode.logprobs``, ``decode.profiling`` (SPS) and
+``decode.replicas`` (data replicas: every step per replica).
 """
 
 from __future__ import annotations
@@ -61,7 +67,13 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dspark_jax.decode import replicas as replicas_lib
+from dspark_jax.decode.commit_step import commit_step
+from dspark_jax.decode.keys import slot_position_keys
+from dspark_jax.decode.logprobs import target_logprobs
 from dspark_jax.decode.pages import full_pool_pages
+from dspark_jax.decode.plan_step import draft, plan_step, schedule
+from dspark_jax.decode.prefill_step import prefill_step
+from dspark_jax.decode.profiling import profile_step_fns
 
 # The step's data (re-exported here, where callers have always found it).
 from dspark_jax.decode.state import (  # noqa: F401
@@ -77,27 +89,14 @@ from dspark_jax.decode.state import (  # noqa: F401
     StepConfig,
     request_key_data,
 )
-from dspark_jax.decode.verify import verify_coupled, verify_greedy, verify_sampling
-from dspark_jax.models.draft_api import DraftContext, SamplingSettings, next_tokens
 from dspark_jax.models.qwen3 import Qwen3, init_cache
-from dspark_jax.ops.branching import same_on_every_device
 from dspark_jax.ops.paged_attention import (
     NULL_PAGE,
-    RaggedLayout,
     page_locations,
     pages_per_sequence,
     resolve_backend,
 )
-from dspark_jax.ops.sampling import (
-    StepKeys,
-    position_keys,
-    process_logits,
-    sample,
-    split_keys,
-)
-from dspark_jax.sched import policies
-from dspark_jax.sched.topk import admit_topk
-from dspark_jax.sharding import LOGICAL_RULES, logical_to_spec
+from dspark_jax.sharding import logical_to_spec
 
 Array = jax.Array
 
@@ -595,78 +594,7 @@ class SpeculativeDecoder:
             return self._prefill(self._params, state, grouped, jnp.asarray(back))
 
     def _prefill_impl(self, params, state, rows):
-        slots, prompts, lengths, max_new, temperature, top_k, top_p, keys, coupled = rows[:9]
-        page_rows = rows[9]
-        c = self.config
-        tp = params[0]
-        b, t = prompts.shape
-        hidden, cache, taps = self.target.apply(
-            {"params": tp},
-            prompts,
-            lengths,
-            page_rows,
-            state.cache,
-            taps=self.taps,
-            return_hidden=True,
-            method=Qwen3.prefill,
-        )
-        last_h = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        logits = self._lm_head_fn(tp)(last_h)
-        # The row's stream: one split for the first token, the rest is the slot's key. A
-        # coupled row keeps its key and draws the token at position ``length`` from it.
-        base = jax.random.wrap_key_data(keys.astype(jnp.uint32))
-        split = split_keys(base, 2)
-        coupled = coupled.astype(bool)
-        if c.sampling:
-            probs = process_logits(logits, temperature, top_k, top_p)
-            first_key = _select_keys(coupled, position_keys(base, lengths[:, None])[:, 0], split[1])
-            first = sample(first_key, probs)
-        else:
-            first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        next_keys = _select_keys(coupled, base, split[0])
-
-        # Drafter context: the K/V of prompt positions 0..len-1 (the state at len-1 pairs
-        # with the first sampled token) and the last context state.
-        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        ctx_feats, ctx_query = state.ctx_feats, state.ctx_query
-        if self.drafter is not None:
-            write = jnp.where(pos < lengths[:, None], pos, c.max_len)
-            next_ids = next_tokens(prompts, first, lengths) if self.next_token_states else None
-            kv, states = self._context_rows(params, taps, hidden, pos, next_ids)
-            # Row b's pages are page_rows[b] (the state's table is updated below).
-            table_rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
-            ctx_feats = self._write_context(ctx_feats, table_rows, write, kv, page_rows)
-            if states is not None:
-                last = jnp.take_along_axis(states, (lengths - 1)[:, None, None], axis=1)[:, 0]
-                ctx_query = ctx_query.at[slots].set(last.astype(ctx_query.dtype), mode="drop")
-
-        finish = jnp.where(
-            first == c.eos_id,
-            FINISH_EOS,
-            jnp.where((max_new <= 1) | (lengths + 1 >= c.max_len), FINISH_LENGTH, FINISH_NONE),
-        ).astype(jnp.int32)
-
-        # Rows aimed at slot >= num_slots (batch padding) write nothing: every scatter here
-        # and in the caches drops out-of-range indices.
-        def put(x, v):
-            return x.at[slots].set(v, mode="drop")
-
-        state = state._replace(
-            cache=cache,
-            page_table=put(state.page_table, page_rows),
-            ctx_feats=ctx_feats,
-            ctx_query=ctx_query,
-            seq_len=put(state.seq_len, lengths),
-            anchor=put(state.anchor, first),
-            active=put(state.active, finish == FINISH_NONE),
-            remaining=put(state.remaining, max_new - 1),
-            temperature=put(state.temperature, temperature),
-            top_k=put(state.top_k, top_k),
-            top_p=put(state.top_p, top_p),
-            slot_keys=put(state.slot_keys, jax.random.key_data(next_keys)),
-            coupled=put(state.coupled, coupled),
-        )
-        return state, PrefillOutput(first, finish, *self._logprobs(logits, first))
+        return prefill_step(self, params, state, rows)
 
     def profile_step_fns(
         self, budgets, seed: int = 0, context_len: int = 1
@@ -681,55 +609,7 @@ class SpeculativeDecoder:
         the slots so repeated calls never run out of room.
         Feed the result to ``dspark_jax.sched.sps.profile_sps`` / ``load_or_profile``.
         """
-        c, r, g = self.config, self.config.num_slots, self.gamma
-        if c.max_len < g + 3:
-            raise ValueError(f"max_len {c.max_len} is too small to profile γ={g} (need >= γ+3)")
-        if not 1 <= context_len <= c.max_len - g - 1:
-            raise ValueError(
-                f"context_len must be in [1, max_len - γ - 1 = {c.max_len - g - 1}] so a "
-                f"round's γ + 1 positions fit, got {context_len}"
-            )
-        ks = sorted({self._check_budget(k) for k in budgets})
-        if not ks:
-            raise ValueError("profile_step_fns needs at least one budget")
-        reset = dict(
-            seq_len=np.full((r,), context_len, np.int32),
-            anchor=np.zeros((r,), np.int32),
-            active=np.ones((r,), bool),
-            remaining=np.full((r,), c.max_len, np.int32),
-            temperature=np.full((r,), 1.0 if c.sampling else 0.0, np.float32),
-        )
-
-        def fresh(st):
-            st = st._replace(**{name: jnp.asarray(v) for name, v in reset.items()})
-            return st if self.mesh is None else self._relayout(st)
-
-        holder = [fresh(self.init_state(seed))]
-
-        rl = self.replica_slots  # B = R + K of one replica (each verifies K of its own)
-
-        def make(k):
-            # K drafts spread over each replica's slots (sizes differ by at most one).
-            one = np.minimum(k // rl + (np.arange(rl) < k % rl), g).astype(np.int32)
-            fill = jnp.asarray(np.tile(one, self.replicas))
-            if self.mesh is not None:
-                fill = jax.device_put(fill, self._state_shardings.seq_len)
-
-            def step():
-                st = holder[0]
-                # The rounds run before any table exists (profiling makes it).
-                if c.scheduler == "topk":
-                    st, out = self._run_round(st, k)
-                else:
-                    st, plan = self._run_plan(st)
-                    plan = plan._replace(lengths=fill)
-                    st, out = self.commit(st, plan, k)
-                holder[0] = fresh(st)
-                return out.tokens
-
-            return step
-
-        return {rl + k: make(k) for k in ks}
+        return profile_step_fns(self, budgets, seed, context_len)
 
     def release(self, state: DecodeState, slot: int) -> DecodeState:
         """Free a slot (cancellation): it stops drafting/verifying from the next round."""
@@ -779,7 +659,7 @@ class SpeculativeDecoder:
         """Verify ``plan``'s drafts in a buffer of R + ``budget`` rows and commit.
 
         ``budget`` should be ``>= plan.lengths.sum()``; a smaller one trims the plan
-        (``_cap_total``), which is exact but wastes drafts.
+        (``decode.commit_step.cap_total``), which is exact but wastes drafts.
         """
         with self.mesh_context():
             return self._commit(self._params, state, plan, self._check_budget(budget))
@@ -787,38 +667,7 @@ class SpeculativeDecoder:
     def _plan_impl(
         self, params, state: DecodeState, budget: int, limit=None
     ) -> tuple[DecodeState, Plan]:
-        c = self.config
-        # Each slot's stream: next key, draft draws, verification draws. Only active slots
-        # advance, so a request's draws depend on its own rounds alone; coupled slots keep
-        # their key and draw draft k with the key of its position, seq_len + 1 + k.
-        active = state.active
-        base = jax.random.wrap_key_data(state.slot_keys)
-        nxt, draft_keys, verify_keys = split_keys(base, 3)
-        slot_keys = jax.random.key_data(_select_keys(active & ~state.coupled, nxt, base))
-        step_keys = _select_keys(
-            state.coupled[None, :],
-            jnp.swapaxes(self._position_keys(state), 0, 1)[: self.gamma],
-            split_keys(draft_keys, self.gamma),
-        )
-        draft_tokens, draft_probs, conf, out = self._draft(params, state, StepKeys(step_keys))
-        if out is not None and out.context is not None:
-            state = state._replace(ctx_feats=out.context)
-        survival = jnp.cumprod(conf, axis=1)
-        limited = () if limit is None else (limit,)  # a data replica's own budget
-        lengths = self._schedule(survival, active, budget, params[2], *limited)
-        # Cap by cache room and max_new so no write goes past max_len (lengths only).
-        room = jnp.maximum(c.max_len - 2 - state.seq_len, 0)
-        lengths = jnp.minimum(lengths, jnp.minimum(room, jnp.maximum(state.remaining - 1, 0)))
-        lengths = jnp.where(active, lengths, 0).astype(jnp.int32)
-        return state, Plan(
-            draft_tokens=draft_tokens,
-            draft_probs=draft_probs if c.sampling else None,
-            confidence=conf,
-            survival=survival,
-            lengths=lengths,
-            verify_keys=verify_keys,
-            slot_keys=slot_keys,
-        )
+        return plan_step(self, params, state, budget, limit)
 
     def _round_impl(self, params, state: DecodeState, budget: int, limit=None):
         state, plan = self._plan_impl(params, state, budget, limit)
@@ -829,62 +678,15 @@ class SpeculativeDecoder:
         scored by logits row ``rows[...]``, default row i for token i; PAD entries give
         values the caller never reads) and the ``top_logprobs`` largest entries of those
         rows. A log-sum-exp and a top-N per row: nothing ``V`` wide is gathered."""
-        logits = logits.astype(jnp.float32)
-        rows = jnp.arange(logits.shape[0]) if rows is None else rows
-        lse = jax.nn.logsumexp(logits, axis=-1)[rows]
-        picked = logits[rows, jnp.maximum(tokens, 0)] - lse
-        n = self.config.top_logprobs
-        if n:
-            top_vals, top_ids = jax.lax.top_k(logits, n)
-        else:
-            top_vals = jnp.zeros(logits.shape[:-1] + (0,), jnp.float32)
-            top_ids = jnp.zeros(logits.shape[:-1] + (0,), jnp.int32)
-        return picked, top_ids[rows].astype(jnp.int32), top_vals[rows] - lse[..., None]
+        return target_logprobs(logits, tokens, rows, self.config.top_logprobs)
 
     def _position_keys(self, state: DecodeState) -> Array:
         """Coupled draws' keys ``[R, γ+1]``: key ``j`` of slot ``r`` is that of sequence
         position ``seq_len[r] + 1 + j`` (draft ``j``; ``j = γ`` the bonus position)."""
-        pos = state.seq_len[:, None] + 1 + jnp.arange(self.gamma + 1, dtype=jnp.int32)
-        return position_keys(jax.random.wrap_key_data(state.slot_keys), pos)
+        return slot_position_keys(self, state)
 
     def _draft(self, params, state, key):
-        g, r = self.gamma, self.replica_slots  # per replica: the step runs on its block
-        if self.drafter is None:
-            # No drafts are ever verified (l = 0); a uniform p_d keeps the shapes of the
-            # sampling verifier, which only draws the bonus token from p_t then.
-            v = self.target.config.vocab_size
-            probs = jnp.full((r, g, v), 1.0 / v, jnp.float32)
-            return jnp.zeros((r, g), jnp.int32), probs, jnp.ones((r, g), jnp.float32), None
-        tp, dp = params[0], params[1]
-        context = DraftContext(
-            state.ctx_feats,  # the draft layers' paged K/V
-            state.seq_len,
-            cached=True,
-            query=state.ctx_query if self.next_token_states else None,
-            page_table=state.page_table,
-            writable=state.active,
-            attention=self.attention,
-            heads_axis=dict(LOGICAL_RULES)["cache_kv_heads"],
-        )
-        sampling = SamplingSettings(
-            state.temperature if self.config.sampling else 0.0, state.top_k, state.top_p
-        )
-        out = self.drafter.apply(
-            {"params": dp},
-            context,
-            state.anchor,
-            key,
-            sampling,
-            self._embed_fn(tp),
-            self._lm_head_fn(tp),
-            method="draft",
-        )
-        if out.confidence_logits is None:
-            conf = jnp.ones((r, g), jnp.float32)
-        else:
-            z = out.confidence_logits.astype(jnp.float32)
-            conf = jax.nn.sigmoid(z / self.sts_temperatures + self.sts_biases)
-        return out.tokens.astype(jnp.int32), out.probs, conf, out
+        return draft(self, params, state, key)
 
     def _schedule(self, survival, active, budget, sps_table, limit=None):
         """Per-slot prefix lengths ``[R]`` for the configured arm (DESIGN §5.3).
@@ -893,189 +695,10 @@ class SpeculativeDecoder:
         decide its own admission (DESIGN §5.4); tests override it to show a broken rule is
         detected.
         """
-        c, g = self.config, self.gamma
-        if self.drafter is None or c.scheduler == "none":
-            return jnp.zeros(survival.shape[:1], jnp.int32)
-        # The arms' parameters; the rules themselves live in sched/policies.py.
-        params = {
-            "fixed": {"length": g if c.fixed_length is None else min(c.fixed_length, g)},
-            "threshold": {"threshold": c.threshold},
-            "prefix": {"sps_table": sps_table},
-            "topk": {"budget": budget},
-        }[c.scheduler]
-        if c.scheduler == "topk" and limit is not None:
-            # A data replica's own budget k_d <= the common bucket (decode.replicas).
-            return jnp.where(active, admit_topk(survival, budget, active, limit=limit).lengths, 0)
-        lengths = policies.get_scheduler(c.scheduler)(survival, active, **params).lengths
-        return jnp.where(active, lengths, 0)
+        return schedule(self, survival, active, budget, sps_table, limit)
 
     def _commit_impl(self, params, state: DecodeState, plan: Plan, budget: int):
-        c, g, r = self.config, self.gamma, self.replica_slots  # per replica (its block)
-        tp = params[0]
-        n_rows = r + budget
-        draft_tokens, draft_probs = plan.draft_tokens, plan.draft_probs
-        verify_key = plan.verify_keys
-        active = state.active
-        lengths = jnp.where(active, _cap_total(plan.lengths, budget), 0)
-
-        # --- pack anchor + admitted drafts into R + K rows -----------------------------
-        j = jnp.arange(g + 1, dtype=jnp.int32)
-        counts = jnp.where(active, lengths + 1, 0)
-        offsets = jnp.cumsum(counts) - counts
-        included = active[:, None] & (j[None, :] <= lengths[:, None])  # [R, G+1]
-        row_of = jnp.where(included, offsets[:, None] + j[None, :], n_rows)
-        tokens_rj = jnp.concatenate([state.anchor[:, None], draft_tokens], axis=1)
-        pos_rj = state.seq_len[:, None] + j[None, :]
-        slot_rj = jnp.broadcast_to(jnp.arange(r, dtype=jnp.int32)[:, None], (r, g + 1))
-
-        def pack(values, fill):
-            buf = jnp.full((n_rows,), fill, values.dtype)
-            return buf.at[row_of].set(values, mode="drop")
-
-        p_tokens = pack(tokens_rj, 0)
-        p_pos = pack(pos_rj, 0)
-        p_slot = pack(slot_rj, 0)
-        p_valid = pack(included, False)
-        # Ragged layout of the packed rows: slot r's rows are offsets[r] … + counts[r] - 1,
-        # its last positions; sequences listed active slots first (inactive ones have no
-        # rows), so the kernel visits only the num_seqs that verify anything.
-        order = jnp.argsort(~active, stable=True)
-        seq_of_slot = jnp.argsort(order).astype(jnp.int32)  # a slot's place in that list
-        kv_lens = jnp.where(active, state.seq_len + lengths + 1, 0)
-        layout = RaggedLayout(
-            cu_q_lens=jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts[order])]),
-            kv_lens=kv_lens[order].astype(jnp.int32),
-            page_table=state.page_table[order],
-            num_seqs=jnp.sum(active, dtype=jnp.int32)[None],
-        )
-
-        hidden, cache, taps = self.target.apply(
-            {"params": tp},
-            p_tokens[:, None],
-            p_pos[:, None],
-            seq_of_slot[p_slot],
-            state.cache,
-            layout,
-            p_valid[:, None],
-            taps=self.taps,
-            return_hidden=True,
-            attention=self.attention,
-            method=Qwen3.decode,
-        )
-        logits = self._lm_head_fn(tp)(hidden[:, 0])  # [R+K, V]: the LM head runs on packed rows
-        gather_rows = jnp.minimum(row_of, n_rows - 1)
-
-        # --- verify --------------------------------------------------------------------
-        if c.sampling:
-            p_temp, p_k, p_p = (x[p_slot] for x in (state.temperature, state.top_k, state.top_p))
-            target_probs = process_logits(logits, p_temp, p_k, p_p)[gather_rows]
-            verified = verify_sampling(
-                verify_key, draft_tokens, draft_probs, target_probs, lengths, active
-            )
-            coupled = state.coupled & active
-            # The Gumbel noise over [R, γ+1, V] is drawn only in rounds with a coupled slot.
-            accepted, next_tok, out_tokens = jax.lax.cond(
-                same_on_every_device(jnp.any(coupled)),
-                lambda: jax.tree.map(
-                    lambda a, b: jnp.where(coupled.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
-                    verify_coupled(
-                        self._position_keys(state), draft_tokens, target_probs, lengths, active
-                    ),
-                    verified,
-                ),
-                lambda: verified,
-            )
-        else:
-            target_argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)[gather_rows]
-            accepted, next_tok, out_tokens = verify_greedy(
-                draft_tokens, target_argmax, lengths, active
-            )
-
-        # --- commit by lengths -----------------------------------------------------------
-        committed = included & (j[None, :] <= accepted[:, None])  # anchor + accepted drafts
-        write = jnp.where(committed, pos_rj, c.max_len)
-        ctx_feats, ctx_query = state.ctx_feats, state.ctx_query
-        if self.drafter is not None:  # only the R + K packed rows are projected
-            p_next = None
-            if self.next_token_states:
-                # The token after each committed row: the next accepted draft, or for the
-                # last committed row the new anchor (EAGLE-3/MTP-1 states pair a row with it).
-                following = jnp.concatenate([tokens_rj[:, 1:], next_tok[:, None]], axis=1)
-                next_rj = jnp.where(j[None, :] == accepted[:, None], next_tok[:, None], following)
-                p_next = pack(next_rj, 0)[:, None]
-            kv, states = self._context_rows(params, taps, hidden, p_pos[:, None], p_next)
-            ctx_feats = self._write_context(
-                ctx_feats, slot_rj, write, kv[:, 0][gather_rows], state.page_table
-            )
-            if states is not None:  # the state of the last committed row, per active slot
-                last_row = jnp.take_along_axis(gather_rows, accepted[:, None], axis=1)[:, 0]
-                last = states[last_row, 0].astype(ctx_query.dtype)
-                ctx_query = jnp.where(active[:, None], last, ctx_query)
-
-        emitted = jnp.where(active, accepted + 1, 0)
-        emitted = jnp.minimum(emitted, state.remaining)
-        is_eos = (out_tokens == c.eos_id) & (j[None, :] < emitted[:, None])
-        first_eos = jnp.argmax(is_eos, axis=1)
-        hit_eos = jnp.any(is_eos, axis=1)
-        emitted = jnp.where(hit_eos, first_eos + 1, emitted)
-        new_len = state.seq_len + jnp.where(active, accepted + 1, 0)
-        remaining = state.remaining - emitted
-        out_of_room = new_len + 1 >= c.max_len
-        finish = jnp.where(
-            ~active,
-            FINISH_NONE,
-            jnp.where(
-                hit_eos,
-                FINISH_EOS,
-                jnp.where((remaining <= 0) | out_of_room, FINISH_LENGTH, FINISH_NONE),
-            ),
-        ).astype(jnp.int32)
-
-        new_state = state._replace(
-            cache=cache,
-            ctx_feats=ctx_feats,
-            ctx_query=ctx_query,
-            seq_len=jnp.where(active, new_len, state.seq_len),
-            anchor=jnp.where(active, next_tok, state.anchor),
-            active=active & (finish == FINISH_NONE),
-            remaining=remaining,
-            slot_keys=plan.slot_keys,
-        )
-        # Row j of a slot's output was predicted by its packed row j (anchor, then drafts).
-        logprobs, top_ids, top_lps = self._logprobs(logits, out_tokens, gather_rows)
-        out = RoundOutput(
-            tokens=out_tokens,
-            num_emitted=emitted,
-            accepted=accepted,
-            verified=lengths,
-            finish=finish,
-            survival=plan.survival,
-            confidence=plan.confidence,
-            draft_tokens=draft_tokens,
-            logprobs=logprobs,
-            top_ids=top_ids,
-            top_logprobs=top_lps,
-        )
-        return new_state, out
-
-
-def _select_keys(which: Array, if_true: Array, if_false: Array) -> Array:
-    """Typed keys chosen elementwise (``which`` broadcasts over the keys' shape)."""
-    a, b = jax.random.key_data(if_true), jax.random.key_data(if_false)
-    return jax.random.wrap_key_data(
-        jnp.where(which.reshape(which.shape + (1,) * (a.ndim - which.ndim)), a, b)
-    )
-
-
-def _cap_total(lengths: Array, budget: int) -> Array:
-    """Trim per-slot prefixes so that their total fits the verify budget K.
-
-    Trimming removes tokens from the end of the *last* slots first; only reached when a
-    scheduler that does not know K (fixed, threshold, prefix) overshoots a smaller bucket.
-    The choice depends only on lengths, never on the sampled draft tokens themselves.
-    """
-    before = jnp.cumsum(lengths) - lengths
-    return jnp.clip(budget - before, 0, lengths).astype(jnp.int32)
+        return commit_step(self, params, state, plan, budget)
 
 
 __all__ = [

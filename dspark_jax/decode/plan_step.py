@@ -1,0 +1,122 @@
+"""Steps 1-2 of a round (``decode.step``'s module docstring): draft γ tokens per slot with
+their confidences, turn them into survivals and let the configured arm choose each slot's
+verify length, capped by the cache's room and the tokens still allowed."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.decode.keys import select_keys
+from dspark_jax.decode.state import (
+    DecodeState,
+    Plan,
+)
+from dspark_jax.models.draft_api import DraftContext, SamplingSettings
+from dspark_jax.ops.sampling import StepKeys, split_keys
+from dspark_jax.sched import policies
+from dspark_jax.sched.topk import admit_topk
+from dspark_jax.sharding import LOGICAL_RULES
+
+Array = jax.Array
+
+__all__ = ["draft", "plan_step", "schedule"]
+
+
+def plan_step(dec, params, state: DecodeState, budget: int, limit=None) -> tuple[DecodeState, Plan]:
+    c = dec.config
+    # Each slot's stream: next key, draft draws, verification draws. Only active slots
+    # advance, so a request's draws depend on its own rounds alone; coupled slots keep
+    # their key and draw draft k with the key of its position, seq_len + 1 + k.
+    active = state.active
+    base = jax.random.wrap_key_data(state.slot_keys)
+    nxt, draft_keys, verify_keys = split_keys(base, 3)
+    slot_keys = jax.random.key_data(select_keys(active & ~state.coupled, nxt, base))
+    step_keys = select_keys(
+        state.coupled[None, :],
+        jnp.swapaxes(dec._position_keys(state), 0, 1)[: dec.gamma],
+        split_keys(draft_keys, dec.gamma),
+    )
+    draft_tokens, draft_probs, conf, out = dec._draft(params, state, StepKeys(step_keys))
+    if out is not None and out.context is not None:
+        state = state._replace(ctx_feats=out.context)
+    survival = jnp.cumprod(conf, axis=1)
+    limited = () if limit is None else (limit,)  # a data replica's own budget
+    lengths = dec._schedule(survival, active, budget, params[2], *limited)
+    # Cap by cache room and max_new so no write goes past max_len (lengths only).
+    room = jnp.maximum(c.max_len - 2 - state.seq_len, 0)
+    lengths = jnp.minimum(lengths, jnp.minimum(room, jnp.maximum(state.remaining - 1, 0)))
+    lengths = jnp.where(active, lengths, 0).astype(jnp.int32)
+    return state, Plan(
+        draft_tokens=draft_tokens,
+        draft_probs=draft_probs if c.sampling else None,
+        confidence=conf,
+        survival=survival,
+        lengths=lengths,
+        verify_keys=verify_keys,
+        slot_keys=slot_keys,
+    )
+
+
+def draft(dec, params, state, key):
+    g, r = dec.gamma, dec.replica_slots  # per replica: the step runs on its block
+    if dec.drafter is None:
+        # No drafts are ever verified (l = 0); a uniform p_d keeps the shapes of the
+        # sampling verifier, which only draws the bonus token from p_t then.
+        v = dec.target.config.vocab_size
+        probs = jnp.full((r, g, v), 1.0 / v, jnp.float32)
+        return jnp.zeros((r, g), jnp.int32), probs, jnp.ones((r, g), jnp.float32), None
+    tp, dp = params[0], params[1]
+    context = DraftContext(
+        state.ctx_feats,  # the draft layers' paged K/V
+        state.seq_len,
+        cached=True,
+        query=state.ctx_query if dec.next_token_states else None,
+        page_table=state.page_table,
+        writable=state.active,
+        attention=dec.attention,
+        heads_axis=dict(LOGICAL_RULES)["cache_kv_heads"],
+    )
+    sampling = SamplingSettings(
+        state.temperature if dec.config.sampling else 0.0, state.top_k, state.top_p
+    )
+    out = dec.drafter.apply(
+        {"params": dp},
+        context,
+        state.anchor,
+        key,
+        sampling,
+        dec._embed_fn(tp),
+        dec._lm_head_fn(tp),
+        method="draft",
+    )
+    if out.confidence_logits is None:
+        conf = jnp.ones((r, g), jnp.float32)
+    else:
+        z = out.confidence_logits.astype(jnp.float32)
+        conf = jax.nn.sigmoid(z / dec.sts_temperatures + dec.sts_biases)
+    return out.tokens.astype(jnp.int32), out.probs, conf, out
+
+
+def schedule(dec, survival, active, budget, sps_table, limit=None):
+    """Per-slot prefix lengths ``[R]`` for the configured arm (DESIGN §5.3).
+
+    Must depend on the survival probabilities only through rules that never let a token
+    decide its own admission (DESIGN §5.4); tests override it to show a broken rule is
+    detected.
+    """
+    c, g = dec.config, dec.gamma
+    if dec.drafter is None or c.scheduler == "none":
+        return jnp.zeros(survival.shape[:1], jnp.int32)
+    # The arms' parameters; the rules themselves live in sched/policies.py.
+    params = {
+        "fixed": {"length": g if c.fixed_length is None else min(c.fixed_length, g)},
+        "threshold": {"threshold": c.threshold},
+        "prefix": {"sps_table": sps_table},
+        "topk": {"budget": budget},
+    }[c.scheduler]
+    if c.scheduler == "topk" and limit is not None:
+        # A data replica's own budget k_d <= the common bucket (decode.replicas).
+        return jnp.where(active, admit_topk(survival, budget, active, limit=limit).lengths, 0)
+    lengths = policies.get_scheduler(c.scheduler)(survival, active, **params).lengths
+    return jnp.where(active, lengths, 0)
