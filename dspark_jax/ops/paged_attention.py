@@ -390,7 +390,17 @@ def _per_device_heads(kernel, axis: str | None):
     """``kernel(q, kv, *metadata)`` run per device on its own heads when ``axis`` splits
     them (the kernels are per chip), else as is."""
     if axis is None:
-        return kernel
+        mesh = jax.sharding.get_abstract_mesh()
+        auto = () if mesh.empty else tuple(set(mesh.axis_names) - set(mesh.manual_axes))
+        if mesh.empty or not mesh.manual_axes or not auto:
+            return kernel
+        # Inside a shard_map over some axes (decode.replicas: data) with the others not
+        # splitting the heads: XLA cannot partition a Mosaic kernel, so it runs in a
+        # region manual over every axis, whole on each device.
+        return jax.shard_map(
+            kernel, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
+            axis_names=set(auto), check_vma=False,
+        )  # fmt: skip
     heads = PartitionSpec(None, axis, None)
     return jax.shard_map(
         kernel,
