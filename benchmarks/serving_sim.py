@@ -4,6 +4,7 @@ with the bundled drafters' recorded rounds replayed through the project's schedu
 
     python benchmarks/serving_sim.py                  # modelled v5p (roofline SPS tables)
     python benchmarks/serving_sim.py --validate       # against the CPU serving benchmark
+    python benchmarks/serving_sim.py --layouts benchmarks/results/layouts_4b/roofline_tp8,...
 
 Default mode: every arm (no speculation, MTP-1, fixed γ, static threshold, Algorithm 1,
 dynamic top-K) at concurrency 1–256 on an engine of ``R`` slots whose round takes
@@ -19,6 +20,10 @@ serving benchmark's prompt sets.
 ``--validate``: the same simulator with the CPU serving benchmark's own settings, SPS
 tables and prefill times (``serving_t1.json``'s ``cost_model``), compared level by level
 with what that benchmark measured: ordering of arms and throughput ratio.
+``--layouts``: one DSpark roofline per mesh layout of the same slice (``roofline.py
+--data d --tensor t``, R per replica), simulated with the engine's data replicas
+(``perf.serving_sim.simulate(replicas=d)``) at every concurrency: aggregate and per-user
+throughput per layout, and which layout wins where.
 Writes ``<out>.json`` and ``<out>.md`` (and PNGs for the modelled run).
 """
 
@@ -304,7 +309,8 @@ def modelled_prefill(roof: dict):
 
     target = get_preset(roof["target"])
     chip = roof["chip"]
-    n_chips = math.prod(roof["mesh"].values())
+    # One replica's chips run a prefill (each data replica prefills its own rows).
+    n_chips = math.prod(roof["mesh"].values()) // roof.get("data", 1)
     weights = roof["rows"][0]["floor_parts"]["target_weights"]
 
     def f(rows, tokens):
@@ -462,6 +468,99 @@ def modelled_markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+LAYOUT_ARMS = (("fixed γ", "fixed"), ("dynamic top-K", "topk"))
+
+
+def layouts(args) -> dict:
+    """Each roofline of ``args.layouts`` (one mesh layout each) through the simulator with
+    its data replicas, DSpark fixed γ and dynamic top-K, at every concurrency."""
+    from dspark_jax.perf.serving_sim import Arm, Workload, simulate
+    from dspark_jax.sched.sps import SPSTable
+
+    with open(args.serving) as f:
+        bench = json.load(f)
+    temperature = bench.get("temperature", 1.0)
+    host = host_seconds_per_round(bench["arms"]["dynamic top-K"], two_phase=False)
+    traces = load_traces("dspark", temperature)
+    prompt_tokens = tuple(bench["prompt_tokens"])
+    levels = [int(c) for c in args.concurrency.split(",")]
+    out = {"temperature": temperature, "host_seconds_per_round": host,
+           "max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client,
+           "layouts": {}}  # fmt: skip
+    for prefix in args.layouts.split(","):
+        roof = _roofline(prefix, "dspark")
+        data, tensor = roof.get("data", 1), roof["tensor"]
+        name = f"tensor {tensor}" if data == 1 else f"data {data} × tensor {tensor}"
+        gamma = roof["drafter"]["gamma"]
+        table = SPSTable.from_seconds({x["B"]: x["modelled_ms"] / 1e3 for x in roof["rows"]})
+        buckets = tuple(sorted(x["budget"] for x in roof["rows"] if x["budget"] > 0))
+        prefill = modelled_prefill(roof)
+        slots = roof["slots"] * data
+        arms = {}
+        for arm_name, scheduler in LAYOUT_ARMS:
+            arm = Arm(arm_name, scheduler, gamma, table, buckets)
+            rows = []
+            for c in levels:
+                wl = Workload(c, args.requests_per_client, args.max_tokens, prompt_tokens)
+                r = simulate(arm, traces, wl, slots=slots, replicas=data,
+                             prefill_seconds=prefill, host_seconds=host)  # fmt: skip
+                r.pop("budgets")
+                rows.append(r)
+                print(f"[sim {name}] {arm_name:<14} c={c:<4} agg "
+                      f"{r['aggregate_tokens_per_second']:9.0f} tok/s  user "
+                      f"{r['per_user_tokens_per_second']:7.1f}", flush=True)  # fmt: skip
+            arms[arm_name] = rows
+        out["layouts"][name] = {
+            "roofline": os.path.relpath(prefix, REPO), "topology": roof["topology"],
+            "target": roof["target"], "data": data, "tensor": tensor, "slots": slots,
+            "slots_per_replica": roof["slots"], "gamma": gamma, "buckets": list(buckets),
+            "arms": arms,
+        }  # fmt: skip
+    return out
+
+
+def layouts_markdown(res: dict) -> str:
+    names = list(res["layouts"])
+    first = res["layouts"][names[0]]
+    lines = [
+        f"# Simulated serving by mesh layout: {first['target']} + DSpark on {first['topology']}",
+        "",
+        f"Produced by `{res['command']}`: each layout's roofline (the engine's own round "
+        "compiled by XLA:TPU, modelled time per B = R + K of one replica) through the "
+        "serving simulator with the engine's data replicas (least-loaded admission, each "
+        "replica's own budget, the round in the largest), the bundled DSpark drafter's "
+        f"T = {res['temperature']:g} acceptance records, {res['requests_per_client']} "
+        f"requests per client of at most {res['max_tokens']} tokens, prefill from a hand "
+        "count, host time per round the CPU engine's. Layouts: "
+        + "; ".join(
+            f"{n}: R = {v['slots']} ({v['slots_per_replica']} per replica), buckets "
+            f"K = {v['buckets']}"
+            for n, v in res["layouts"].items()
+        )
+        + ". Modelled, not measured.",
+        "",
+    ]
+    for arm_name, _ in LAYOUT_ARMS:
+        lines += [
+            f"## {arm_name}: aggregate / per-user tokens/s",
+            "",
+            "| concurrency | " + " | ".join(names) + " | best aggregate | best per-user |",
+            "|---|" + "---|" * len(names) + "---|---|",
+        ]
+        levels = [r["concurrency"] for r in first["arms"][arm_name]]
+        for i, c in enumerate(levels):
+            cells = {n: res["layouts"][n]["arms"][arm_name][i] for n in names}
+            agg = {n: r["aggregate_tokens_per_second"] for n, r in cells.items()}
+            user = {n: r["per_user_tokens_per_second"] for n, r in cells.items()}
+            lines.append(
+                f"| {c} | "
+                + " | ".join(f"{agg[n]:.0f} / {user[n]:.0f}" for n in names)
+                + f" | {max(agg, key=agg.get)} | {max(user, key=user.get)} |"
+            )
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
 def plot(res: dict, prefix: str) -> None:
     import matplotlib
 
@@ -511,6 +610,11 @@ def main(argv=None) -> int:
         "no compile; 0 = off)",
     )
     p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument(
+        "--layouts",
+        default=None,
+        help="comma-separated DSpark roofline prefixes, one per mesh layout of one slice",
+    )
     p.add_argument("--out", default=None, help="output prefix")
     args = p.parse_args(argv)
 
@@ -519,6 +623,12 @@ def main(argv=None) -> int:
             res = validate(args)
             out = args.out or os.path.join(RESULTS, "serving_sim_validation")
             text = validation_markdown(res)
+        elif args.layouts:
+            res = layouts(args)
+            given = argv if argv is not None else sys.argv[1:]
+            res["command"] = "python benchmarks/serving_sim.py " + " ".join(given)
+            out = args.out or os.path.join(RESULTS, "serving_sim_layouts")
+            text = layouts_markdown(res)
         else:
             res = modelled(args)
             tag = os.path.basename(args.roofline).removeprefix("roofline_")

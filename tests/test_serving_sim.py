@@ -89,6 +89,40 @@ def test_topk_budget_reads_two_rounds_back():
     assert res["budgets"][:4] == [4, 4, 1, 4]
 
 
+def test_data_replicas_serve_twice_the_clients_of_one_replica_in_the_same_time():
+    """Two replicas of R slots with one replica's SPS table, 2c clients: each replica
+    serves c of them exactly as one engine of R slots does (least-loaded admission
+    alternates), so the wall time is the same and the aggregate throughput doubles."""
+    arm = Arm("fixed", "fixed", gamma=2, sps=_table({2: 10.0, 4: 8.0, 6: 6.0}),
+              verify_buckets=(0, 2, 4))  # fmt: skip
+    trace = Trace(np.array([2, 1, 0, 2]), np.ones((4, 2)))
+    kw = dict(prefill_seconds=_no_prefill, prefill_batch=1)  # rounds only
+    one = simulate(arm, [trace], Workload(2, 2, 6, (8,)), slots=2, **kw)
+    two = simulate(arm, [trace], Workload(4, 2, 6, (8,)), slots=4, replicas=2, **kw)
+    assert two["wall_seconds"] == pytest.approx(one["wall_seconds"])
+    assert two["aggregate_tokens_per_second"] == pytest.approx(
+        2 * one["aggregate_tokens_per_second"]
+    )
+    assert two["budgets"] == one["budgets"] and two["padding_rows"] == 0
+
+
+def test_replicas_run_the_largest_budget_and_count_the_padding():
+    """Three clients on two replicas of two slots: one replica holds two requests, the
+    other one; the round runs the busier replica's bucket (γ per occupied slot) and the
+    other pads the difference."""
+    arm = Arm("fixed", "fixed", gamma=2, sps=_table({2: 10.0, 4: 8.0, 6: 6.0}),
+              verify_buckets=(0, 2, 4))  # fmt: skip
+    trace = Trace(np.array([0, 0, 0]), np.ones((3, 2)))
+    res = simulate(
+        arm, [trace], Workload(3, 1, 3, (8,)), slots=4, replicas=2,
+        prefill_seconds=_no_prefill, prefill_batch=1,
+    )  # fmt: skip
+    assert res["budgets"][0] == 4 and res["padding_rows"] >= 2
+    with pytest.raises(ValueError, match="replicas must be >= 1 and divide the slots"):
+        simulate(arm, [trace], Workload(1, 1, 3, (8,)), slots=3, replicas=2,
+                 prefill_seconds=_no_prefill)  # fmt: skip
+
+
 def test_traces_from_records_split_and_calibrate():
     idx = np.array([0, 0, 1, 1, 1])
     acc = np.array([1, 2, 0, 3, 9])

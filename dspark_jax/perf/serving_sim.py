@@ -20,6 +20,14 @@ work in order; the host adds ``host_seconds`` per processed round.
 
 Clients as in ``benchmarks/serving.py``: ``concurrency`` clients each send up to
 ``requests_per_client`` requests back to back, none started after ``time_limit``.
+
+Data replicas (``replicas`` = D, ``decode.replicas``): the ``slots`` are D blocks of R/D,
+a request goes to the least-loaded replica with a free slot, each replica chooses its own
+budget from its own slots (one server of Algorithm 1 each), and every round runs the
+largest of them: ``1 / SPS(R/D + K)`` with the SPS table of *one replica* (the replicas run
+side by side on their own chips). The rows a replica runs beyond its own bucket are
+reported as padding. A prefill call takes the clock as one call, as in the engine, where
+every replica runs the call's rows (its own, the rest padding) at once.
 """
 
 from __future__ import annotations
@@ -175,8 +183,10 @@ def simulate(
     prefill_seconds: Callable[[int, int], float],
     prefill_batch: int = 4,
     host_seconds: float = 0.0,
+    replicas: int = 1,
 ) -> dict:
-    """Replay ``workload`` through ``arm`` on ``slots`` decode slots.
+    """Replay ``workload`` through ``arm`` on ``slots`` decode slots (``replicas`` data
+    replicas of ``slots / replicas`` each; the module docstring).
 
     Args:
       traces: per-prompt recorded rounds; request ``j`` of client ``c`` replays trace
@@ -192,10 +202,14 @@ def simulate(
         raise ValueError("simulate needs at least one trace")
     if slots < 1 or prefill_batch < 1:
         raise ValueError(f"need slots >= 1 and prefill_batch >= 1, got {slots}, {prefill_batch}")
+    if replicas < 1 or slots % replicas:
+        raise ValueError(f"replicas must be >= 1 and divide the slots, got {replicas}, {slots}")
     g = max(arm.gamma, 1)
     wl = workload
-    schedule = _scheduler_fn(arm, slots)
-    sps_dense = np.asarray(arm.sps.as_array(slots * (g + 1) + 1))
+    rl = slots // replicas  # one replica's slots: the SPS table and schedulers are its
+    blocks = [slice(d * rl, (d + 1) * rl) for d in range(replicas)]
+    schedule = _scheduler_fn(arm, rl)
+    sps_dense = np.asarray(arm.sps.as_array(rl * (g + 1) + 1))
     pending: list[_Request] = []  # submitted, waiting for a slot (in arrival order)
     next_index = collections.Counter()
     finished: list[_Request] = []
@@ -220,6 +234,7 @@ def simulate(
     t = dev = 0.0
     rounds = 0
     budgets: list[int] = []
+    padding = 0
     per_request_rounds = collections.Counter()
     per_request_tokens = collections.Counter()
     per_request_verified = collections.Counter()
@@ -257,11 +272,17 @@ def simulate(
             continue
         free = [s for s, r in enumerate(host_slots) if r is None]
         admitted = []
+        load = [sum(host_slots[s] is not None for s in range(b.start, b.stop)) for b in blocks]
         for req in arrived:
             if not free:
                 break
             pending.remove(req)
-            admitted.append((free.pop(0), req))
+            # The least-loaded replica with a free slot (engine.core.EngineCore._place).
+            d = min({s // rl for s in free}, key=lambda d: (load[d], d))
+            slot = next(s for s in free if s // rl == d)
+            free.remove(slot)
+            load[d] += 1
+            admitted.append((slot, req))
         group = min(prefill_batch, slots)  # the engine's compiled prefill rows: 1 and this
         for i in range(0, len(admitted), group):
             chunk = admitted[i : i + group]
@@ -274,7 +295,6 @@ def simulate(
                 per_request_tokens[req.index] = 1
             inflight.append(("prefill", dev, chunk))
         if any(r is not None for r in host_slots):
-            n_occupied = sum(r is not None for r in host_slots)
             if arm.two_phase:
                 t = max(t, dev)  # the host reads the plan's Σ ℓ before choosing the shape
             survival = np.ones((slots, g), np.float32)
@@ -286,22 +306,28 @@ def simulate(
                 accepted[s] = req.trace.accepted[req.ptr]
                 remaining[s] = wl.max_tokens - req.emitted
             last = history[-1] if history else (None, None)
-            if arm.two_phase:
-                lengths = schedule(survival, device_active, None)
-            budget = budget_lib.next_budget(
-                arm.scheduler,
-                arm.verify_buckets,
-                gamma=g,
-                occupied=n_occupied,
-                last_survival=last[0],
-                last_active=last[1],
-                sps_table=sps_dense,
-            )
-            if arm.two_phase:
-                lengths = np.where(device_active, lengths, 0)
-                budget = budget_lib.smallest_bucket(arm.verify_buckets, int(lengths.sum()))
-            else:
-                lengths = schedule(survival, device_active, budget)
+            lengths = np.zeros(slots, np.int64)
+            own = []  # each replica's own budget (one replica: the round's)
+            for b in blocks:
+                if arm.two_phase:
+                    part = schedule(survival[b], device_active[b], None)
+                    part = np.where(device_active[b], part, 0)
+                    k = budget_lib.smallest_bucket(arm.verify_buckets, int(part.sum()))
+                else:
+                    k = budget_lib.next_budget(
+                        arm.scheduler,
+                        arm.verify_buckets,
+                        gamma=g,
+                        occupied=sum(r is not None for r in host_slots[b]),
+                        last_survival=None if last[0] is None else last[0][b],
+                        last_active=None if last[1] is None else last[1][b],
+                        sps_table=sps_dense,
+                    )
+                    part = schedule(survival[b], device_active[b], k)
+                lengths[b] = part
+                own.append(k)
+            budget = max(own)
+            padding += sum(budget - k for k in own)
             # The decode step caps each slot by its remaining tokens (one is the target's).
             lengths = np.where(device_active, np.minimum(lengths, np.maximum(remaining - 1, 0)), 0)
             ended = []
@@ -316,7 +342,7 @@ def simulate(
                 if req.emitted >= wl.max_tokens or req.ptr >= len(req.trace.accepted):
                     device_active[s] = False  # the device ends the slot (length / EOS)
                     ended.append((s, req))
-            dev = max(dev, t) + arm.round_seconds(slots + budget)
+            dev = max(dev, t) + arm.round_seconds(rl + budget)
             rounds += 1
             budgets.append(int(budget))
             inflight.append(("round", dev, (survival, device_active.copy(), ended)))
@@ -352,5 +378,7 @@ def simulate(
         "rounds": rounds,
         "mean_round_budget": mean(budgets),
         "budgets": budgets,
+        "replicas": replicas,
+        "padding_rows": padding,
         "mean_latency_seconds": mean(lat),
     }
