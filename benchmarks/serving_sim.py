@@ -537,7 +537,10 @@ def layouts_markdown(res: dict) -> str:
             f"K = {v['buckets']}"
             for n, v in res["layouts"].items()
         )
-        + ". Modelled, not measured.",
+        + ". Modelled, not measured: a round's time is the roofline's max(flops / peak, "
+        "bytes / HBM bandwidth) per chip, which leaves out the collectives over the "
+        "inter-chip links; a wider tensor split runs more of them per round (two all-reduces "
+        "per layer), so read its lead here as an upper bound.",
         "",
     ]
     for arm_name, _ in LAYOUT_ARMS:

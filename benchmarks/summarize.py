@@ -91,12 +91,14 @@ MANIFEST = (
         Entry((R + "roofline_*.md", R + "roofline_*.json"), roofline.roofline),
     )),
     Page("serving.md", "Serving", "start-up, soak, serving under load on CPU, the serving "
-         "simulator and its validation, the tensor-parallel mesh's overhead", (
+         "simulator and its validation, mesh layouts compared, the decode mesh's overhead", (
         Entry((R + "startup.json",), serving.startup),
         Entry((R + "soak.json",), serving.soak),
         Entry((R + "serving.json", R + "serving_t1.json"), serving.serving),
         Entry((R + "serving_sim_validation.md",), serving.sim_validation),
         Entry((R + "serving_sim_v5p_*.md",), serving.sim_modelled),
+        Entry((R + "serving_sim_layouts.md", R + "serving_sim_layouts.json"),
+              serving.sim_layouts),
         Entry((R + "mesh_overhead.md", R + "mesh_overhead.json"), serving.mesh_overhead),
     )),
     Page("train-cost.md", "Training cost on TPU slices", "the drafter training step's "

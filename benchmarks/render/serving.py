@@ -210,3 +210,8 @@ def sim_modelled(results: pathlib.Path) -> list[str]:
 def mesh_overhead(results: pathlib.Path) -> list[str]:
     path = results / "mesh_overhead.md"
     return common.included(path, common.command_of(path)) if path.is_file() else []
+
+
+def sim_layouts(results: pathlib.Path) -> list[str]:
+    path = results / "serving_sim_layouts.md"
+    return common.included(path, common.command_of(path)) if path.is_file() else []
