@@ -140,7 +140,10 @@ def run(args: argparse.Namespace) -> dict:
     drafter = dparams = sts = None
     if args.drafter is not None:
         d = load_drafter_dir(args.drafter, loaded)
-        drafter, dparams, sts = d.module, jax.device_put(nn.unbox(d.params)), d.sts
+        dparams = nn.unbox(d.params)
+        if loaded.mesh is None:  # on a mesh the loader placed them already
+            dparams = jax.device_put(dparams)
+        drafter, sts = d.module, d.sts
     scheduler = args.scheduler or ("fixed" if drafter is not None else "none")
     if drafter is None and scheduler != "none":
         raise ValueError(f"--scheduler {scheduler} needs --drafter (without one use 'none')")

@@ -211,6 +211,25 @@ def place_host_tree(tree, shardings):
     return jax.tree.map(place, tree, shardings)
 
 
+def array_from_blocks(shape: tuple[int, ...], sharding, read_block) -> jax.Array:
+    """A global array on ``sharding`` built one block at a time: ``read_block(index)``
+    (``index``: a tuple of slices, one per axis) returns the host block the devices at that
+    index hold. Each distinct block is read once (devices holding the same block, e.g. the
+    replicas of a data axis, share the read), sent to its devices and dropped before the
+    next is read, so the host holds one block at a time; ``make_array_from_callback``
+    would hold all of a process's blocks. Only this process's devices are read for."""
+    devices_of: dict[tuple, tuple[tuple, list]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple((s.start, s.stop, s.step) for s in index)  # slices are not hashable
+        devices_of.setdefault(key, (index, []))[1].append(device)
+    arrays = []
+    for index, devices in devices_of.values():
+        host = read_block(index)
+        arrays += [jax.device_put(host, device) for device in devices]
+        del host
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

@@ -14,7 +14,7 @@ from dspark_jax.models.drafter_config import DrafterConfig, default_taps, eagle3
 from dspark_jax.models.drafters import feature_dim, init_drafter_params, make_drafter
 from dspark_jax.models.presets import PRESETS
 from dspark_jax.ops.sampling import process_logits, sample
-from dspark_jax.sharding import LOGICAL_RULES
+from dspark_jax.sharding import LOGICAL_RULES, make_mesh
 
 TGT = PRESETS["tiny"].replace(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, head_dim=8,
@@ -186,6 +186,10 @@ def test_qkv_kernels_are_out_first_and_older_drafter_files_still_load(tmp_path):
         (out / "drafter_config.json").write_text(json.dumps({**meta, "format": fmt}))
         _, loaded = load_drafter(out, TGT)
         for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        # Read block by block onto a mesh: the file's axes are sliced, then moved.
+        _, placed = load_drafter(out, TGT, mesh=make_mesh(data=2, tensor=4))
+        for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(params), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     tensors["backbone/layers_0/self_attn/k_proj/kernel"] = np.zeros((KV, 3, hd), np.float32)

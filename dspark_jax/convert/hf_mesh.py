@@ -39,7 +39,7 @@ from dspark_jax.convert.hf_qwen3 import (
 )
 from dspark_jax.models.fingerprint import fingerprint_from_sample, sample_stride
 from dspark_jax.models.qwen3 import Qwen3, Qwen3Config
-from dspark_jax.sharding import param_shardings
+from dspark_jax.sharding import array_from_blocks, param_shardings
 
 __all__ = ["hf_dir_fingerprint", "load_hf_to_mesh", "read_block"]
 
@@ -122,27 +122,10 @@ def load_hf_to_mesh(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[Qw
                     out[j] = read_block(read(m.hf_name.format(i=i)), m.layout, rest, hd)
                 return out
 
-            _set(params, m.path, _build(shape, _get_path(shardings, m.path), block))
+            _set(params, m.path, array_from_blocks(shape, _get_path(shardings, m.path), block))
         if config.tie_word_embeddings and "lm_head.weight" in read.names:
             _check_tied_head(read, config.vocab_size, path)
     return config, params
-
-
-def _build(shape: tuple[int, ...], sharding, block) -> jax.Array:
-    """``jax.make_array_from_callback``, one block at a time: each distinct block is read
-    once (devices holding the same block, e.g. the replicas of a data axis, share the
-    read), sent to its devices and dropped before the next is read, so the host holds one
-    block at a time (``make_array_from_callback`` would hold all of a process's blocks)."""
-    devices_of: dict[tuple, tuple[tuple, list]] = {}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        key = tuple((s.start, s.stop, s.step) for s in index)  # slices are not hashable
-        devices_of.setdefault(key, (index, []))[1].append(device)
-    arrays = []
-    for index, devices in devices_of.values():
-        host = block(index)
-        arrays += [jax.device_put(host, device) for device in devices]
-        del host
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def _check_tied_head(read, vocab: int, path: str) -> None:

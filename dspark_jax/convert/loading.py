@@ -129,10 +129,11 @@ def load_drafter_dir(
     """The drafter in ``drafter_dir`` for ``target``, with its calibration. A
     :class:`LoadedTarget` is checked by its shapes and its weights' fingerprint (a drafter
     trained against another checkpoint of the same architecture is refused); a bare
-    ``Qwen3Config`` by its shapes only."""
+    ``Qwen3Config`` by its shapes only. A target read onto a mesh has its drafter read
+    onto the same mesh, block by block (``load_drafter(mesh=)``)."""
     path = os.fspath(drafter_dir)
     if isinstance(target, LoadedTarget):
-        module, params = load_drafter(path, target.config, target.fingerprint)
+        module, params = load_drafter(path, target.config, target.fingerprint, mesh=target.mesh)
     else:
         module, params = load_drafter(path, target)
     drafter = LoadedDrafter(label or Path(path).name, module, params, path)

@@ -54,7 +54,7 @@ __all__ = [
 CONFIG_NAME = "drafter_config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 3
-# Older formats this version still reads (converted on load: ``_from_format``).
+# Older formats this version still reads (axes moved on load: ``_file_axes``).
 _READS_FORMATS = (1, 2, 3)
 _TARGET_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers")
 STS_FILENAME = "sts.json"
@@ -155,16 +155,23 @@ def save_drafter(
 
 
 def load_drafter(
-    path: str | os.PathLike, target_config: Qwen3Config, target_fingerprint: str | None = None
+    path: str | os.PathLike,
+    target_config: Qwen3Config,
+    target_fingerprint: str | None = None,
+    *,
+    mesh=None,
 ):
     """Load a drafter directory for ``target_config``: returns ``(module, params)``.
 
-    Params come back as a plain tree of float32 arrays. Raises ``FileNotFoundError`` for a
-    missing directory / file and ``ValueError`` for a drafter built for another target (its
-    shapes, or, given ``target_fingerprint``, its weights) or a weights file that does not
-    match its config.
+    Params come back as a plain tree of host arrays in the module's ``param_dtype``, or,
+    given ``mesh``, of ``jax.Array``s on it, sharded by the logical-axis rules table: each
+    process then reads from the file only the blocks its own devices hold, one block at a
+    time (``sharding.array_from_blocks``), never the whole drafter. Raises
+    ``FileNotFoundError`` for a missing directory / file and ``ValueError`` for a drafter
+    built for another target (its shapes, or, given ``target_fingerprint``, its weights)
+    or a weights file that does not match its config.
     """
-    from safetensors.numpy import load_file
+    from safetensors import safe_open
 
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -209,27 +216,43 @@ def load_drafter(
         )
     dcfg = DrafterConfig.from_dict(meta["drafter"])
     module = make_drafter(dcfg, target_config)
-    expected = _flatten(
-        shd.unboxed(jax.eval_shape(lambda: init_drafter_params(module, jax.random.key(0))))
-    )
-    loaded = load_file(weights_path)
-    missing = sorted(set(expected) - set(loaded))
-    extra = sorted(set(loaded) - set(expected))
-    if missing or extra:
-        raise ValueError(
-            f"{weights_path} does not match its config: missing {missing[:5]}"
-            f"{' …' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
-            f"{' …' if len(extra) > 5 else ''}"
-        )
+    boxed = jax.eval_shape(lambda: init_drafter_params(module, jax.random.key(0)))
+    expected = _flatten(shd.unboxed(boxed))
+    shardings = _flatten(shd.param_shardings(boxed, mesh)) if mesh is not None else None
     params = {}
-    for name, spec in expected.items():
-        arr = _from_format(meta["format"], name, loaded[name])
-        if tuple(arr.shape) != tuple(spec.shape):
+    with safe_open(weights_path, framework="numpy") as fh:
+        stored = set(fh.keys())
+        missing = sorted(set(expected) - stored)
+        extra = sorted(stored - set(expected))
+        if missing or extra:
             raise ValueError(
-                f"{weights_path}: tensor {name!r} has shape {tuple(arr.shape)}, expected "
-                f"{tuple(spec.shape)}"
+                f"{weights_path} does not match its config: missing {missing[:5]}"
+                f"{' …' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
+                f"{' …' if len(extra) > 5 else ''}"
             )
-        params[name] = np.asarray(arr, np.float32).astype(spec.dtype)
+        for name, spec in expected.items():
+            tensor = fh.get_slice(name)
+            perm = _file_axes(meta["format"], name, len(tensor.get_shape()))
+            shape = tuple(tensor.get_shape()[a] for a in perm)
+            if shape != tuple(spec.shape):
+                raise ValueError(
+                    f"{weights_path}: tensor {name!r} has shape {shape}, expected "
+                    f"{tuple(spec.shape)}"
+                )
+
+            def block(index, tensor=tensor, perm=perm, dtype=spec.dtype):
+                # Our axis i is the file's axis perm[i]: slice the file there, then move
+                # the axes into our layout.
+                file_index = [slice(None)] * len(perm)
+                for i, a in enumerate(perm):
+                    file_index[a] = index[i] if i < len(index) else slice(None)
+                x = np.transpose(np.asarray(tensor[tuple(file_index)]), perm)
+                return np.ascontiguousarray(np.asarray(x, np.float32).astype(dtype))
+
+            if mesh is None:
+                params[name] = block(())
+            else:
+                params[name] = shd.array_from_blocks(shape, shardings[name], block)
     return module, _unflatten(params)
 
 
@@ -238,13 +261,13 @@ _QKV_KERNELS = ("q_proj/kernel", "k_proj/kernel", "v_proj/kernel")
 _QKV_AXES = {1: (1, 2, 0), 2: (0, 2, 1)}
 
 
-def _from_format(fmt: int, name: str, arr: np.ndarray) -> np.ndarray:
-    """A tensor of a format-``fmt`` file in this version's layout: format 1 stored the q/k/v
-    kernels ``[d, heads, head_dim]``, format 2 ``[heads, d, head_dim]``, format 3
-    ``[heads, head_dim, d]`` (same values)."""
-    if fmt in _QKV_AXES and name.endswith(_QKV_KERNELS) and arr.ndim == 3:
-        return np.transpose(arr, _QKV_AXES[fmt])
-    return arr
+def _file_axes(fmt: int, name: str, ndim: int) -> tuple[int, ...]:
+    """Where a format-``fmt`` file keeps each of our axes (ours = ``np.transpose(file,
+    axes)``): format 1 stored the q/k/v kernels ``[d, heads, head_dim]``, format 2
+    ``[heads, d, head_dim]``, format 3 ``[heads, head_dim, d]`` (same values)."""
+    if fmt in _QKV_AXES and name.endswith(_QKV_KERNELS) and ndim == 3:
+        return _QKV_AXES[fmt]
+    return tuple(range(ndim))
 
 
 # -- sts.json: the confidence head's calibration -------------------------------------
