@@ -188,8 +188,8 @@ def sim_validation(results: pathlib.Path) -> list[str]:
 def sim_modelled(results: pathlib.Path) -> list[str]:
     out = []
     for path in sorted(results.glob("serving_sim_*.md")):
-        if path.name == "serving_sim_validation.md":
-            continue
+        if path.name in ("serving_sim_validation.md", "serving_sim_layouts.md"):
+            continue  # their own entries (sim_validation, sim_layouts)
         command = "python benchmarks/serving_sim.py --roofline benchmarks/results/" + (
             path.stem.replace("serving_sim_", "roofline_")
         )
