@@ -504,3 +504,25 @@ def test_cli_converts_and_checks_frozen_copies(tmp_path, capsys):
         ]
     )
     assert rc == 0
+
+
+def test_frozen_copies_are_compared_a_chunk_of_rows_at_a_time(tmp_path, monkeypatch):
+    """The frozen embedding / LM head are compared with the target's a few rows at a time
+    (never a whole [V, d] table in host memory): a difference in the last chunk's last
+    row alone is still found, with its size."""
+    import ml_dtypes
+
+    from dspark_jax.convert import deepspec
+
+    monkeypatch.setattr(deepspec, "_FROZEN_CHECK_ROWS", 7)  # several chunks, a short last one
+    assert TGT.vocab_size % 7 != 0
+    target, embed, head = _target_dir(tmp_path)
+    bf = lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
+    config = ds_config(RANK, "vanilla", True, True)
+    state = ds_state(ds_shapes(RANK, "vanilla", True, True), embed=bf(embed), lm_head=bf(head))
+    load_deepspec_drafter(write_ds(tmp_path / "same", config, state), TGT, target_dir=target)
+    state["embed_tokens.weight"] = bf(embed)
+    state["embed_tokens.weight"][-1, 3] += 0.5
+    other = write_ds(tmp_path / "other", config, state)
+    with pytest.raises(ValueError, match=r"'embed_tokens.weight' differs .* \(max \|diff\| 0\.5"):
+        load_deepspec_drafter(other, TGT, target_dir=target)
