@@ -207,6 +207,8 @@ def run(args) -> dict:
             "bound": "memory" if cost["bytes"] / (chip.hbm_gb_per_s * 1e9)
             >= cost["flops"] / (chip.bf16_tflops * 1e12) else "compute",
             "while_loops": rl.while_loops(hlo),
+            # Each executed loop's static trip count (None: unknown, its body counted once).
+            "loop_trips": [t for _, t in hlo_bytes.loop_trips(hlo)],
             "peak_memory_bytes": report["memory"]["peak_bytes"],
             "top_bytes": rl.bytes_by_op(hlo, top=8),
             # XLA's bytes re-derived per instruction, by the name scope that emitted it.
@@ -246,6 +248,17 @@ def run(args) -> dict:
         "command": "python benchmarks/roofline.py " + " ".join(sys.argv[1:]),
         "rows": rows,
     }
+
+
+def _loops(row: dict) -> str:
+    """The loops column: how many while loops the round keeps, with their trip counts
+    where the result records them (``?``: unknown, counted once everywhere)."""
+    trips = row.get("loop_trips")
+    if trips is None:
+        return str(row["while_loops"])
+    if not trips:
+        return "0"
+    return f"{len(trips)} ({', '.join('?' if t is None else str(t) for t in trips)})"
 
 
 # Name-scope components kept when summing bytes by scope: jit(_round_impl)/Module.method/
@@ -375,7 +388,7 @@ def markdown(res: dict) -> str:
         "",
         "| B = R + K | bytes GB | of which kernel (modelled) GB | floor GB | bytes / floor | "
         "GFLOP | flops / hand count | modelled ms | floor ms | modelled SPS | SPS(B) / SPS(R) "
-        "| bound | loops left |",
+        "| bound | loops (trips) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
@@ -384,7 +397,7 @@ def markdown(res: dict) -> str:
             f"{r.get('kernel_bytes_modelled', 0) / 1e9:.1f} | {r['floor_bytes'] / 1e9:.1f} | "
             f"{r['bytes_over_floor']:.2f} | {r['flops'] / 1e9:.0f} | {r['flops_ratio']:.2f} | "
             f"{r['modelled_ms']:.1f} | {r['floor_ms']:.1f} | {r['modelled_sps']:.1f} | "
-            f"{r['sps_over_sps_R']:.2f} | {r['bound']} | {r['while_loops']} |"
+            f"{r['sps_over_sps_R']:.2f} | {r['bound']} | {_loops(r)} |"
         )
     if "hbm_bytes" in res["rows"][0]:
         lines += [
@@ -395,7 +408,13 @@ def markdown(res: dict) -> str:
             "copy and again where its consumer reads VMEM, and a gather counts its whole "
             "table. Here each buffer in VMEM counts nothing, a prefetch its HBM read once, a "
             "gather the rows it gathers. An estimate, not XLA's figure; the SPS table "
-            "(`_sps.json`) keeps XLA's.",
+            "(`_sps.json`) keeps XLA's."
+            + (
+                " A loop's body counts its static trip count times here (the loops column "
+                "above: XLA's bytes count every body once)."
+                if "loop_trips" in res["rows"][0]
+                else " Loops are counted once here too (this result predates trip counts)."
+            ),
             "",
             "| B = R + K | HBM bytes GB | HBM / floor | modelled ms | SPS(B) / SPS(R) |",
             "|---|---|---|---|---|",

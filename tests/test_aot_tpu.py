@@ -117,6 +117,12 @@ def test_roofline_benchmark_writes_its_tables(tmp_path):
     text = open(out + ".md").read()
     assert "| B = R + K |" in text and "XLA's bytes by name scope" in text
     assert "| B = R + K | HBM bytes GB |" in text
+    # The drafter's γ-step sampling loop is kept; its trip count (which XLA:TPU does not
+    # record) is read from its counter, and its body counted that many times. The XLA
+    # attention's loops over a slot's pages have a runtime bound: unknown, counted once.
+    assert "loops (trips)" in text and "static trip count times" in text
+    for r in res["rows"]:
+        assert res["drafter"]["gamma"] in r["loop_trips"] and None in r["loop_trips"]
     grown = res["rows"][1]["hbm_bytes"] - res["rows"][0]["hbm_bytes"]  # over 16 added rows
     assert f"{grown / 16 / 1e6:.2f} MB per added row" in text
 

@@ -194,6 +194,94 @@ def test_hidden_all_reduces_count_only_the_targets_held_in_hbm():
     assert rl.allreduce_activation_bytes(0, rows=8, width=64) == 0
 
 
+_LOOP_HLO = """HloModule m
+
+%fused_read (param_0: bf16[256,4096], param_1: bf16[8,256]) -> bf16[8,4096] {
+  %param_0 = bf16[256,4096]{1,0} parameter(0)
+  %param_1 = bf16[8,256]{1,0} parameter(1)
+  ROOT %dot = bf16[8,4096]{1,0} dot(%param_1, %param_0), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/step/markov"}
+}
+
+%body (p: (s32[], bf16[256,4096], bf16[8,256], bf16[8,4096])) -> (s32[], bf16[256,4096], bf16[8,256], bf16[8,4096]) {
+  %p = (s32[], bf16[256,4096]{1,0}, bf16[8,256]{1,0}, bf16[8,4096]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %w = bf16[256,4096]{1,0} get-tuple-element(%p), index=1
+  %h = bf16[8,256]{1,0} get-tuple-element(%p), index=2
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one), metadata={op_name="jit(f)/step/count"}
+  %y = bf16[8,4096]{1,0} fusion(%w, %h), kind=kOutput, calls=%fused_read, metadata={op_name="jit(f)/step/markov"}
+  ROOT %t = (s32[], bf16[256,4096]{1,0}, bf16[8,256]{1,0}, bf16[8,4096]{1,0}) tuple(%next, %w, %h, %y)
+}
+
+%cond (q: (s32[], bf16[256,4096], bf16[8,256], bf16[8,4096])) -> pred[] {
+  %q = (s32[], bf16[256,4096]{1,0}, bf16[8,256]{1,0}, bf16[8,4096]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %n = s32[] constant(7)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT, metadata={op_name="jit(f)/step/cond"}
+}
+
+ENTRY %main (w: bf16[256,4096], h: bf16[8,256], y: bf16[8,4096], start: s32[]) -> bf16[8,4096] {
+  %w = bf16[256,4096]{1,0} parameter(0)
+  %h = bf16[8,256]{1,0} parameter(1)
+  %y = bf16[8,4096]{1,0} parameter(2)
+  %start = s32[] parameter(3)
+  %zero = s32[] constant(0)
+  %zero.copy = s32[] copy(%zero)
+  %init = (s32[], bf16[256,4096]{1,0}, bf16[8,256]{1,0}, bf16[8,4096]{1,0}) tuple(%zero.copy, %w, %h, %y)
+  %from = (s32[], bf16[256,4096]{1,0}, bf16[8,256]{1,0}, bf16[8,4096]{1,0}) tuple(%start, %w, %h, %y)
+  %recorded = (s32[], bf16[256,4096]{1,0}, bf16[8,256]{1,0}, bf16[8,4096]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"7"}}
+  %inferred = (s32[], bf16[256,4096]{1,0}, bf16[8,256]{1,0}, bf16[8,4096]{1,0}) while(%init), condition=%cond, body=%body
+  %unknown = (s32[], bf16[256,4096]{1,0}, bf16[8,256]{1,0}, bf16[8,4096]{1,0}) while(%from), condition=%cond, body=%body
+  ROOT %out = bf16[8,4096]{1,0} get-tuple-element(%recorded), index=3
+}
+"""
+
+
+def test_a_loop_with_a_static_trip_count_is_counted_trips_times_its_body():
+    """A while loop whose trip count XLA recorded (7, as the drafter's γ-step sampling
+    loop) counts its body 7 times and its condition 8; so does the same loop without the
+    record (XLA:TPU records none), its count read from a counter that starts from a
+    constant, steps by 1 and is compared with a constant; started from a runtime value
+    the count is unknown, and body and condition count once. Every byte is counted by
+    hand."""
+    from dspark_jax.perf.hlo_bytes import bytes_by_scope, loop_trips
+
+    read = 256 * 4096 * 2 + 8 * 256 * 2 + 8 * 4096 * 2  # the factor, h in, y out
+    count = 3 * 4  # i and 1 in, next out (s32)
+    cond = 4 + 4 + 1  # j and 7 in, the predicate out
+    got = bytes_by_scope(_LOOP_HLO, depth=3)["by_scope"]
+    assert got["jit(f)/step/markov"] == (7 + 7 + 1) * read
+    assert got["jit(f)/step/count"] == (7 + 7 + 1) * count
+    assert got["jit(f)/step/cond"] == (8 + 8 + 1) * cond
+    assert got == bytes_by_scope(_LOOP_HLO, depth=3, hbm_only=True)["by_scope"]
+    assert sorted(loop_trips(_LOOP_HLO), key=str) == [
+        ("inferred", 7),
+        ("recorded", 7),
+        ("unknown", None),
+    ]
+
+
+def test_a_scan_of_static_length_is_counted_trips_times_on_cpu():
+    """On a compiled program: a 7-step ``fori_loop`` reading one row of a weight per step
+    counts that read 7 times (XLA's own figure counts it once)."""
+    from dspark_jax.perf.hlo_bytes import bytes_by_scope, loop_trips
+
+    def f(w, x):
+        def body(i, c):
+            with jax.named_scope("step"):
+                return jnp.tanh(c @ w + jax.lax.dynamic_index_in_dim(w, i, keepdims=False))
+
+        return jax.lax.fori_loop(0, 7, body, x)
+
+    compiled = jax.jit(f).lower(jnp.ones((256, 256)), jnp.ones((8, 256))).compile()
+    hlo = compiled.as_text()
+    assert [t for _, t in loop_trips(hlo)] == [7]
+    steps = sum(v for k, v in bytes_by_scope(hlo, depth=6, top=50)["by_scope"].items()
+                if "/step" in k)  # fmt: skip
+    assert steps >= 7 * 256 * 256 * 4  # the weight, read every step
+    assert bytes_by_scope(hlo)["total"] > 3 * rl.cost_of(compiled)["bytes"]
+
+
 def test_verify_cost_benchmark_runs_with_chosen_budgets(tmp_path):
     """benchmarks/verify_cost.py end to end on a tiny model with the options an
     accelerator run uses (chosen budgets, a dtype, the attention backend, no feature-draft

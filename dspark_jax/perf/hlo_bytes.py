@@ -20,7 +20,12 @@ that dominate a decode round:
 * an in-place update (a fusion or instruction whose root is a scatter or dynamic update
   slice into a parameter, whose output aliases that operand) reads and writes the update,
   not the buffer it updates (the paged KV pool is written this way every layer);
-* while loops are counted once, as XLA does (unroll loops for cost figures).
+* a while loop's body counts its trip count times when that count is static (the
+  ``known_trip_count`` XLA records on the loop, or, where XLA:TPU records none, a
+  counter from a constant, stepped by 1, compared with a constant: a ``fori_loop`` or
+  ``scan`` of static length, such as the drafter's γ-step sampling loop), its condition
+  one more time; a loop of unknown count is counted once, as XLA's own figure counts
+  every loop (``loop_trips`` lists both kinds).
 
 It is an estimate of XLA's own figure: equal on CPU (``tests/test_roofline.py``), within
 40 % at tiny TPU shapes where tile padding and small collectives dominate
@@ -99,6 +104,11 @@ _CONTROL = re.compile(
     r"\b(?:body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)"
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_BODY = re.compile(r"\bbody=%([\w.\-]+)")
+_SCALAR_CONSTANT = re.compile(r"\bconstant\((-?\d+)\)")
+_TUPLE_INDEX = re.compile(r"\bindex=(\d+)")
+_CONDITION = re.compile(r"\bcondition=%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]+)"')
 
 _PASS_THROUGH = {"bitcast", "reshape", "copy", "transpose", "convert", "get-tuple-element"}
@@ -199,6 +209,106 @@ def _executed(comps: dict[str, _Computation]) -> list[_Computation]:
                 if n in comps and i.opcode in ("while", "conditional", "call"):
                     stack.append(comps[n])
     return order
+
+
+def _int_constant(comp: _Computation, name: str) -> int | None:
+    """The value of an integer scalar constant ``name`` in ``comp`` (through copies and
+    bitcasts), or None."""
+    i = comp.by_name.get(name)
+    while i is not None and i.opcode in ("copy", "bitcast") and len(i.operands) == 1:
+        i = comp.by_name.get(i.operands[0])
+    m = _SCALAR_CONSTANT.search(i.line) if i is not None and i.opcode == "constant" else None
+    return int(m.group(1)) if m else None
+
+
+def _counter_index(comp: _Computation, name: str) -> int | None:
+    """``k`` when ``name`` is ``get-tuple-element(<comp's parameter>), index=k`` (through
+    copies and bitcasts)."""
+    i = comp.by_name.get(name)
+    while i is not None and i.opcode in ("copy", "bitcast") and len(i.operands) == 1:
+        i = comp.by_name.get(i.operands[0])
+    if i is None or i.opcode != "get-tuple-element" or not i.operands:
+        return None
+    src = comp.by_name.get(i.operands[0])
+    m = _TUPLE_INDEX.search(i.line)
+    return int(m.group(1)) if m and src is not None and src.opcode == "parameter" else None
+
+
+def trip_count(instr: _Instr, comps: dict[str, _Computation] | None = None,
+               comp: _Computation | None = None) -> int | None:  # fmt: skip
+    """The static trip count of a while instruction: the ``known_trip_count`` XLA records
+    on it (the CPU and GPU compilers do), or, given the computations, the one its shape
+    proves (what XLA:TPU leaves unrecorded): a condition ``counter < constant N``, a
+    counter that starts from a constant and that the body adds 1 to. None otherwise."""
+    m = _TRIP_COUNT.search(instr.line)
+    if m:
+        return int(m.group(1))
+    if comps is None or comp is None:
+        return None
+    cond_m, body_m = _CONDITION.search(instr.line), _BODY.search(instr.line)
+    cond = comps.get(cond_m.group(1)) if cond_m else None
+    body = comps.get(body_m.group(1)) if body_m else None
+    if cond is None or body is None or not instr.operands:
+        return None
+    root = cond.root
+    if root.opcode != "compare" or "direction=LT" not in root.line or len(root.operands) != 2:
+        return None
+    k = _counter_index(cond, root.operands[0])
+    bound = _int_constant(cond, root.operands[1])
+    init = comp.by_name.get(instr.operands[0])
+    if k is None or bound is None or init is None or init.opcode != "tuple":
+        return None
+    start = _int_constant(comp, init.operands[k]) if k < len(init.operands) else None
+    if start is None or body.root.opcode != "tuple" or k >= len(body.root.operands):
+        return None
+    step = body.by_name.get(body.root.operands[k])
+    if step is None or step.opcode != "add" or len(step.operands) != 2:
+        return None
+    a, b = step.operands
+    if _counter_index(body, a) != k:
+        a, b = b, a
+    if _counter_index(body, a) != k or _int_constant(body, b) != 1:
+        return None
+    return max(0, bound - start)
+
+
+def _executed_times(comps: dict[str, _Computation]) -> list[tuple[_Computation, int]]:
+    """``(computation, times it runs per call of the program)`` for the entry and every
+    computation it runs as control flow: a while body its loop's static trip count times
+    the loop's own count (the condition once more), a loop of unknown count once; every
+    branch of a conditional once (an upper bound: one runs)."""
+    times: Counter = Counter()
+    stack = [(c.name, 1) for c in comps.values() if c.entry]
+    while stack:  # HLO has no recursion: every path ends
+        name, n = stack.pop()
+        times[name] += n
+        for i in comps[name].instrs:
+            if i.opcode == "while":
+                known = trip_count(i, comps, comps[name])
+                body, cond = (1, 1) if known is None else (known, known + 1)
+                for pattern, k in ((_BODY, body), (_CONDITION, cond)):
+                    m = pattern.search(i.line)
+                    if m and m.group(1) in comps:
+                        stack.append((m.group(1), n * k))
+            elif i.opcode in ("conditional", "call"):
+                names = _CONTROL.findall(i.line) + _CALLS.findall(i.line)
+                b = _BRANCHES.search(i.line)
+                if b:
+                    names += _OPERAND.findall(b.group(1))
+                stack += [(c, n) for c in names if c in comps]
+    return [(comps[name], k) for name, k in times.items()]
+
+
+def loop_trips(hlo_text: str) -> list[tuple[str, int | None]]:
+    """Every executed while loop of a compiled program with its static trip count (None
+    where XLA recorded none; such a loop's body is counted once)."""
+    comps = parse_hlo(hlo_text)
+    return [
+        (i.name, trip_count(i, comps, comp))
+        for comp, _ in _executed_times(comps)
+        for i in comp.instrs
+        if i.opcode == "while"
+    ]
 
 
 def _params(comp: _Computation) -> list[_Instr]:
@@ -334,20 +444,20 @@ def instruction_bytes(comps, comp: _Computation, instr: _Instr, hbm_only: bool =
 
 
 def bytes_by_scope(hlo_text: str, depth: int = 4, top: int = 15, hbm_only: bool = False) -> dict:
-    """``{"total", "by_scope": {scope: bytes}}``: estimated bytes accessed by the program,
-    summed by the first ``depth`` components of each instruction's JAX ``op_name`` (its
+    """``{"total", "by_scope": {scope: bytes}}``: estimated bytes accessed by one call of
+    the program (a loop's body times its static trip count), summed by the first ``depth`` components of each instruction's JAX ``op_name`` (its
     name scope: ``jit(f)/Module.method/...``), the ``top`` largest scopes. ``hbm_only``:
     HBM traffic only (``instruction_bytes``)."""
     comps = parse_hlo(hlo_text)
     by_scope: Counter = Counter()
-    for comp in _executed(comps):
+    for comp, times in _executed_times(comps):
         for instr in comp.instrs:
             b = instruction_bytes(comps, comp, instr, hbm_only)
             if not b:
                 continue
             m = _OP_NAME.search(instr.line)
             scope = "/".join(m.group(1).split("/")[:depth]) if m else "(unnamed)"
-            by_scope[scope] += b
+            by_scope[scope] += b * times
     return {"total": sum(by_scope.values()), "by_scope": dict(by_scope.most_common(top))}
 
 
@@ -359,13 +469,14 @@ def parameter_relayouts(hlo_text: str) -> dict[str, int]:
     place has none; each entry here rewrites that weight on every call."""
     comps = parse_hlo(hlo_text)
     out: Counter = Counter()
-    for comp in _executed(comps):
+    for comp, times in _executed_times(comps):
         for instr in comp.instrs:
             if instr.opcode not in ("copy", "fusion", "transpose"):
                 continue
             m = _OP_NAME.search(instr.line)
             if m and m.group(1).startswith("params["):
-                out[m.group(1).replace("\\'", "'")] += instruction_bytes(comps, comp, instr)
+                b = instruction_bytes(comps, comp, instr)
+                out[m.group(1).replace("\\'", "'")] += b * times
     return dict(out)
 
 
@@ -377,7 +488,7 @@ def hbm_all_reduces(hlo_text: str, elements: int, scope: str) -> int:
     VMEM (none of this traffic then reaches HBM)."""
     comps = parse_hlo(hlo_text)
     n = 0
-    for comp in _executed(comps):
+    for comp, times in _executed_times(comps):
         for instr in comp.instrs:
             if instr.opcode != "all-reduce" or len(instr.operands) != 1:
                 continue
@@ -388,10 +499,11 @@ def hbm_all_reduces(hlo_text: str, elements: int, scope: str) -> int:
             size = math.prod(int(x) for x in dims.group(1).split(",") if x)
             src = comp.by_name.get(instr.operands[0])
             if size == elements and instr.hbm_bytes and src is not None and src.hbm_bytes:
-                n += 1
+                n += times
     return n
 
 
 __all__ = [
-    "bytes_by_scope", "hbm_all_reduces", "instruction_bytes", "parameter_relayouts", "parse_hlo",
+    "bytes_by_scope", "hbm_all_reduces", "instruction_bytes", "loop_trips",
+    "parameter_relayouts", "parse_hlo", "trip_count",
 ]  # fmt: skip
