@@ -178,6 +178,9 @@ def run(args) -> dict:
         # and from on-chip memory (weights prefetched into VMEM count at the copy and again
         # at their consumer) and a gather's whole table.
         hbm = hlo_bytes.bytes_by_scope(hlo, depth=1, top=1, hbm_only=True)["total"]
+        hbm_once = hlo_bytes.bytes_by_scope(hlo, depth=1, top=1, hbm_only=True, loop_trips=False)[
+            "total"
+        ]
         hbm += modelled["bytes"]
         seconds = chip.seconds(cost["flops"], cost["bytes"])
         floor_s = chip.seconds(hand_per_chip, floor["bytes"])
@@ -209,6 +212,10 @@ def run(args) -> dict:
             "while_loops": rl.while_loops(hlo),
             # Each executed loop's static trip count (None: unknown, its body counted once).
             "loop_trips": [t for _, t in hlo_bytes.loop_trips(hlo)],
+            # What counting the loops by their trips adds to the HBM count (above once).
+            "hbm_loop_extra_bytes": hbm - modelled["bytes"] - hbm_once,
+            # Why XLA's bytes exceed the HBM count, both counting each loop body once.
+            "xla_excess": hlo_bytes.xla_excess(hlo),
             "peak_memory_bytes": report["memory"]["peak_bytes"],
             "top_bytes": rl.bytes_by_op(hlo, top=8),
             # XLA's bytes re-derived per instruction, by the name scope that emitted it.
@@ -248,6 +255,31 @@ def run(args) -> dict:
         "command": "python benchmarks/roofline.py " + " ".join(sys.argv[1:]),
         "rows": rows,
     }
+
+
+def excess_lines(res: dict) -> list[str]:
+    """What XLA's extra bytes are, and what the loops' trips add, at the largest bucket."""
+    from dspark_jax.perf.hlo_bytes import EXCESS_KINDS
+
+    last = res["rows"][-1]
+    if "xla_excess" not in last:
+        return []
+    ex = last["xla_excess"]
+    parts = "; ".join(
+        f"{EXCESS_KINDS[k]}: {ex[k] / 1e9:.2f} GB"
+        for k in sorted(EXCESS_KINDS, key=lambda k: -abs(ex[k]))
+        if abs(ex[k]) >= 5e5
+    )
+    return [
+        "",
+        f"Why XLA's bytes exceed the HBM count at B = {last['B']} "
+        f"(`perf.hlo_bytes.xla_excess`, both counting each loop body once, the kernel "
+        f"left out of both): {ex['total'] / 1e9:.2f} GB in all; {parts}.",
+        "",
+        f"Counting each loop's body by its trips adds "
+        f"{last['hbm_loop_extra_bytes'] / 1e9:.3f} GB of HBM traffic at B = {last['B']} "
+        f"(loops: {_loops(last)}), included in the HBM table.",
+    ]
 
 
 def _loops(row: dict) -> str:
@@ -424,7 +456,7 @@ def markdown(res: dict) -> str:
                 f"| {r['B']} | {r['hbm_bytes'] / 1e9:.1f} | {r['hbm_over_floor']:.2f} | "
                 f"{r['hbm_modelled_ms']:.1f} | {r['hbm_sps_over_sps_R']:.2f} |"
             )
-        lines += growth_lines(res)
+        lines += growth_lines(res) + excess_lines(res)
     last = res["rows"][-1]
     if "parameter_relayouts" in last:
         moved = sum(last["parameter_relayouts"].values())

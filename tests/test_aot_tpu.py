@@ -123,6 +123,12 @@ def test_roofline_benchmark_writes_its_tables(tmp_path):
     assert "loops (trips)" in text and "static trip count times" in text
     for r in res["rows"]:
         assert res["drafter"]["gamma"] in r["loop_trips"] and None in r["loop_trips"]
+        assert r["hbm_loop_extra_bytes"] > 0
+        # XLA's excess over the HBM count, split by why, sums to the two counts' gap.
+        ex, once = r["xla_excess"], r["bytes_by_scope"]["total"]
+        assert ex["total"] == sum(v for k, v in ex.items() if k != "total") > 0
+        assert ex["total"] <= once
+    assert "Why XLA's bytes exceed the HBM count" in text
     grown = res["rows"][1]["hbm_bytes"] - res["rows"][0]["hbm_bytes"]  # over 16 added rows
     assert f"{grown / 16 / 1e6:.2f} MB per added row" in text
 

@@ -157,6 +157,24 @@ def test_hbm_bytes_count_a_prefetched_weight_once_and_a_gather_by_its_rows():
     assert every["by_scope"]["jit(f)/head"] == w + 2 * act
 
 
+def test_xla_excess_over_the_hbm_count_is_split_by_why():
+    """XLA's figure minus the HBM count of the prefetch program, by kind, counted by hand:
+    the prefetch copy's VMEM side and bookkeeping, the weight read again from VMEM, the
+    gather's whole table beyond its rows; the kinds sum to the difference."""
+    from dspark_jax.perf.hlo_bytes import bytes_by_scope, xla_excess
+
+    w, table, rows = 1024 * 1024 * 2, 4096 * 1024 * 2, 8 * 1024 * 2
+    got = xla_excess(_PREFETCH_HLO)
+    # copy-start: its tuple's VMEM buffer, its HBM source again and the 4-byte flag;
+    # copy-done: the tuple and its VMEM output.
+    assert got["prefetch_copies"] == (2 * w + 4) + (3 * w + 4)
+    assert got["prefetched_in_vmem"] == w  # the matmul reads the VMEM copy
+    assert got["whole_gathers"] == table - rows
+    assert got["activations_in_vmem"] == 0 and got["other"] == 0
+    every = bytes_by_scope(_PREFETCH_HLO)["total"]
+    assert got["total"] == every - bytes_by_scope(_PREFETCH_HLO, hbm_only=True)["total"]
+
+
 _ALLREDUCE_HLO = """HloModule m
 
 %add (a: bf16[], b: bf16[]) -> bf16[] {
@@ -177,6 +195,16 @@ ENTRY %main (x: bf16[8,1,64], y: bf16[8,1,64]) -> (bf16[8,1,64], bf16[8,1,64], b
   ROOT %t = (bf16[8,1,64]{2,0,1}, bf16[8,1,64]{2,0,1:S(1)}, bf16[8,1,64]{2,0,1:S(1)}, bf16[8,1,64]{2,0,1}, bf16[4,64]{1,0}) tuple(%hbm, %vmem, %into_vmem, %drafter, %other)
 }
 """
+
+
+def test_xla_excess_counts_vmem_activations():
+    """Activations in VMEM (not prefetched): an all-reduce reading and writing VMEM, and
+    one writing VMEM from HBM, 1 KiB each array."""
+    from dspark_jax.perf.hlo_bytes import xla_excess
+
+    got = xla_excess(_ALLREDUCE_HLO)
+    assert got["activations_in_vmem"] == 2 * 1024 + 1024
+    assert got["total"] == 3 * 1024 and got["prefetched_in_vmem"] == 0
 
 
 def test_hidden_all_reduces_count_only_the_targets_held_in_hbm():

@@ -443,14 +443,98 @@ def instruction_bytes(comps, comp: _Computation, instr: _Instr, hbm_only: bool =
     return size(instr) + sum(size(shapes[o]) for o in instr.operands if o in shapes)
 
 
-def bytes_by_scope(hlo_text: str, depth: int = 4, top: int = 15, hbm_only: bool = False) -> dict:
+# Why XLA's figure (every memory space) exceeds the HBM count, by kind (``xla_excess``).
+EXCESS_KINDS = {
+    "activations_in_vmem": "activations XLA:TPU keeps in on-chip VMEM (counted by XLA, "
+    "moving no HBM bytes)",
+    "prefetched_in_vmem": "buffers prefetched into VMEM (mostly weights), counted again "
+    "where their consumer reads the VMEM copy",
+    "prefetch_copies": "the prefetch copies' VMEM side and bookkeeping",
+    "whole_gathers": "gathers (embedding rows, logits columns) counted as their whole table",
+    "other": "anything else",
+}
+
+
+def _from_prefetch(comp: _Computation, name: str) -> bool:
+    """Whether ``name`` is (through pass-through ops) the output of a ``copy-done``: a
+    buffer memory-space assignment prefetched into VMEM."""
+    i = comp.by_name.get(name)
+    while i is not None and i.opcode in _PASS_THROUGH and i.operands:
+        i = comp.by_name.get(i.operands[0])
+    return i is not None and i.opcode == "copy-done"
+
+
+def _excess_of(comps, comp: _Computation, instr: _Instr) -> Counter:
+    """``instruction_bytes`` over every memory space minus over HBM, split by kind."""
+    out: Counter = Counter()
+    total = instruction_bytes(comps, comp, instr) - instruction_bytes(
+        comps, comp, instr, hbm_only=True
+    )
+    if not total:
+        return out
+    if instr.opcode in ("copy-start", "copy-done"):
+        out["prefetch_copies"] += total
+        return out
+    if instr.opcode == "gather":
+        table = comp.by_name.get(instr.operands[0]) if instr.operands else None
+        if table is not None and table.hbm_bytes:
+            out["whole_gathers"] += table.bytes - instr.bytes
+    called = _CALLS.search(instr.line) if instr.opcode == "fusion" else None
+    fused = comps.get(called.group(1)) if called else None
+    params = _params(fused) if fused is not None else []
+    for k, op in enumerate(instr.operands):
+        src = comp.by_name.get(op)
+        if src is None or not src.bytes:
+            continue
+        if not src.hbm_bytes:  # read from VMEM: counted by XLA only
+            read = src.bytes
+            if k < len(params):
+                part = _reads_of_param(comps, fused, params[k].name)
+                read = read if part is None else min(part, read)
+            kind = "prefetched_in_vmem" if _from_prefetch(comp, op) else "activations_in_vmem"
+            out[kind] += read
+        elif k < len(params):  # in HBM: XLA counts a gathered table whole
+            whole = _reads_of_param(comps, fused, params[k].name)
+            rows = _reads_of_param(comps, fused, params[k].name, None, True)
+            whole = src.bytes if whole is None else min(whole, src.bytes)
+            rows = src.bytes if rows is None else min(rows, src.bytes)
+            out["whole_gathers"] += whole - rows
+    out["activations_in_vmem"] += max(0, total - sum(out.values()))  # outputs in VMEM
+    over = sum(out.values()) - total
+    if over:  # a rule above and instruction_bytes disagree: keep the sum exact
+        out["other"] -= over
+    return out
+
+
+def xla_excess(hlo_text: str) -> dict[str, int]:
+    """Bytes by which XLA's figure (every memory space, each loop body once, as XLA
+    counts) exceeds the HBM-only count of the same program (each body once too), split
+    by ``EXCESS_KINDS``; ``"total"`` is the sum. The split is per operand: a VMEM operand
+    that a ``copy-done`` produced is a prefetched buffer, any other VMEM operand or
+    output an activation kept on chip, an HBM operand gathered inside the fusion a
+    whole-table count."""
+    comps = parse_hlo(hlo_text)
+    out: Counter = Counter()
+    for comp in _executed(comps):
+        for instr in comp.instrs:
+            out.update(_excess_of(comps, comp, instr))
+    result = {k: int(out.get(k, 0)) for k in EXCESS_KINDS}
+    result["total"] = sum(result.values())
+    return result
+
+
+def bytes_by_scope(
+    hlo_text: str, depth: int = 4, top: int = 15, hbm_only: bool = False, loop_trips: bool = True
+) -> dict:
     """``{"total", "by_scope": {scope: bytes}}``: estimated bytes accessed by one call of
-    the program (a loop's body times its static trip count), summed by the first ``depth`` components of each instruction's JAX ``op_name`` (its
+    the program (a loop's body times its static trip count; ``loop_trips=False``: once,
+    as XLA counts), summed by the first ``depth`` components of each instruction's JAX ``op_name`` (its
     name scope: ``jit(f)/Module.method/...``), the ``top`` largest scopes. ``hbm_only``:
     HBM traffic only (``instruction_bytes``)."""
     comps = parse_hlo(hlo_text)
     by_scope: Counter = Counter()
-    for comp, times in _executed_times(comps):
+    executed = _executed_times(comps) if loop_trips else [(c, 1) for c in _executed(comps)]
+    for comp, times in executed:
         for instr in comp.instrs:
             b = instruction_bytes(comps, comp, instr, hbm_only)
             if not b:
@@ -504,6 +588,6 @@ def hbm_all_reduces(hlo_text: str, elements: int, scope: str) -> int:
 
 
 __all__ = [
-    "bytes_by_scope", "hbm_all_reduces", "instruction_bytes", "loop_trips",
-    "parameter_relayouts", "parse_hlo", "trip_count",
+    "EXCESS_KINDS", "bytes_by_scope", "hbm_all_reduces", "instruction_bytes", "loop_trips",
+    "parameter_relayouts", "parse_hlo", "trip_count", "xla_excess",
 ]  # fmt: skip
