@@ -210,8 +210,11 @@ def test_greedy_cli_on_a_tensor_mesh_matches_one_device(model_dirs):
     assert [x["tokens"] for x in _read(out)] == ref.tokens
 
 
-def test_data_parallel_is_refused_by_name(model_dirs, capsys):
+def test_data_replicas_need_a_slot_count_they_divide(model_dirs, capsys):
+    """Each data replica owns R/N slots: a count N does not divide is one error line that
+    names both, exit 2, before any model is compiled."""
     d = model_dirs
     rc = main(_argv(d, str(d["root"] / "data2.jsonl"), "--data", "2"))
     err = capsys.readouterr().err
-    assert rc == 2 and "--data 2: data-parallel decoding" in err and "Traceback" not in err
+    assert rc == 2 and "Traceback" not in err
+    assert "--data 2 needs a slot count it divides" in err and "got 3 slots" in err
