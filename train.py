@@ -125,7 +125,8 @@ def _main(argv) -> int:
                 json.dump(report, f, indent=2)
         return 0
     summary = train(cfg, args.workdir, progress=not args.no_progress)
-    print(json.dumps(summary, default=str))
+    print(json.dumps(summary, default=str), flush=True)
+    dist.finalize()  # every process leaves the distributed runtime together
     return 0
 
 
