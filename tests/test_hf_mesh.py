@@ -50,6 +50,18 @@ def _random_params(cfg: Qwen3Config, seed: int = 0):
     return tree
 
 
+def _peak(load):
+    """``(peak, still held)`` host bytes traced (tracemalloc) while ``load()`` runs."""
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    out = load()
+    jax.block_until_ready(out)
+    current, top = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    del out
+    return top, current
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     cfg = _config()
@@ -173,18 +185,8 @@ def test_host_memory_is_bounded_by_a_block_not_the_model(tmp_path):
     model_bytes = sum(os.path.getsize(path / f) for f in os.listdir(path) if "safetensors" in f)
     mesh = make_mesh(data=1, tensor=8)
 
-    def peak(load):
-        tracemalloc.start()
-        tracemalloc.reset_peak()
-        out = load()
-        jax.block_until_ready(out)
-        current, top = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        del out
-        return top, current
-
-    whole_peak, _ = peak(lambda: jax.device_put(load_hf(path)[1]))
-    mesh_peak, mesh_kept = peak(lambda: load_hf_to_mesh(path, mesh)[1])
+    whole_peak, _ = _peak(lambda: jax.device_put(load_hf(path)[1]))
+    mesh_peak, mesh_kept = _peak(lambda: load_hf_to_mesh(path, mesh)[1])
     # The largest block one device holds: the embedding (or the untied head) split 8 ways
     # over the vocabulary, 8192 / 8 x 256 float32 = 1 MiB.
     block = cfg.vocab_size // 8 * cfg.hidden_size * 4
@@ -270,17 +272,8 @@ def test_drafter_host_memory_is_bounded_by_a_block(tmp_path):
     largest = max(x.size * 4 for x in jax.tree.leaves(params))
     mesh = make_mesh(data=1, tensor=8)
 
-    def peak(load):
-        tracemalloc.start()
-        tracemalloc.reset_peak()
-        out = load()
-        jax.block_until_ready(out)
-        current, top = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        return top, current
-
-    whole_peak, _ = peak(lambda: jax.device_put(load_drafter(tmp_path, tcfg)[1]))
-    mesh_peak, mesh_kept = peak(lambda: load_drafter(tmp_path, tcfg, mesh=mesh)[1])
+    whole_peak, _ = _peak(lambda: jax.device_put(load_drafter(tmp_path, tcfg)[1]))
+    mesh_peak, mesh_kept = _peak(lambda: load_drafter(tmp_path, tcfg, mesh=mesh)[1])
     print(f"drafter {drafter_bytes / 2**20:.1f} MiB, largest tensor {largest / 2**20:.2f} "
           f"MiB; host peak whole {whole_peak / 2**20:.1f} MiB, mesh "
           f"{(mesh_peak - mesh_kept) / 2**20:.2f} MiB above what stays")  # fmt: skip

@@ -599,16 +599,8 @@ class SpeculativeDecoder:
     def profile_step_fns(
         self, budgets, seed: int = 0, context_len: int = 1
     ) -> dict[int, Callable[[], Array]]:
-        """One zero-argument callable per verify budget ``K``, keyed by ``B = R + K``.
-
-        Each call runs the decoder's own compiled round at that bucket on a state where
-        every slot is active, holds ``context_len`` committed positions (attention reads
-        each slot's pages up to its length, so a round's cost grows with it) and exactly
-        ``K`` drafts are verified (``topk`` through the fused round, every other arm
-        through ``plan`` + ``commit`` with the plan's lengths filled to ``K``), then resets
-        the slots so repeated calls never run out of room.
-        Feed the result to ``dspark_jax.sched.sps.profile_sps`` / ``load_or_profile``.
-        """
+        """``decode.profiling.profile_step_fns`` for this decoder: one callable per verify
+        budget ``K``, keyed by ``B = R + K``, for ``sched.sps.profile_sps``."""
         return profile_step_fns(self, budgets, seed, context_len)
 
     def release(self, state: DecodeState, slot: int) -> DecodeState:
