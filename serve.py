@@ -120,6 +120,14 @@ def parse_args(argv=None):
         "loaders read them)",
     )
     add_mesh_arguments(p)
+    p.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=30.0,
+        help="several processes: seconds without another process's heartbeat before this "
+        "one gives up (the leader answers 503, reports the failure on /health and exits "
+        "with status 3; a follower exits with status 3)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -411,6 +419,9 @@ def use_compile_cache(args) -> None:
     from dspark_jax.compile_cache import enable_compile_cache
 
     path = enable_compile_cache(args.compile_cache)
+    if path is None:  # compile_cache.unsafe_reason: a multi-process CPU run
+        print("compilation cache: off (a multi-process CPU run)", file=sys.stderr)
+        return
     print(f"compilation cache: {path} (--no-compile-cache to disable)", file=sys.stderr)
 
 
@@ -484,7 +495,7 @@ def free_device_memory() -> tuple[int | None, str]:
     """``(bytes free on the first device or None when it does not say, its platform)``."""
     import jax
 
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]  # another process's devices do not report theirs
     try:
         stats = dev.memory_stats() or {}
     except Exception:  # some backends do not implement it
@@ -535,6 +546,11 @@ def load_for_serving(args, drafter_dir):
     models = load_models(args.target, drafter_dir, dtype=args.dtype, mesh=mesh)
     say(f"loaded in {time.perf_counter() - t0:.1f}s")
     choose_max_len(args, models)
+    from dspark_jax import distributed
+
+    # Chosen from free device memory, which the processes may see differently: process
+    # 0's choice holds for all of them.
+    args.max_len = distributed.broadcast_json("serve-max-len", args.max_len)
     return models
 
 
@@ -551,10 +567,13 @@ def serve(args) -> int:
 
     drafter_dir = _check_paths(args)
     limits = ServerLimits(args.api_key, args.max_body_bytes, args.max_request_tokens)
+    if _process_id(args) != 0:  # a follower: no port, no clients (see follow())
+        return follow(args, drafter_dir)
     sock = bind_port(args.host, args.port)  # before anything slow: a busy port fails now
     use_compile_cache(args)
     models = load_for_serving(args, drafter_dir)
     engine = build_engine(args, drafter_dir, args.scheduler, models)
+    watch_peers(engine, args.peer_timeout)
     template = load_chat_template(args.target)
     app = create_app(engine, chat_template=template, limits=limits)
     server = make_server(app, args.host, args.port)
@@ -576,7 +595,81 @@ def serve(args) -> int:
     )
     engine.start(background=True)
     server.run(sockets=[sock])
-    return 1 if engine.failure else 0
+    if engine.failure:
+        return 1
+    # Several processes: the followers got the last turn when the engine stopped (drained);
+    # every process leaves the distributed runtime together.
+    from dspark_jax.distributed import finalize_if_started
+
+    finalize_if_started()
+    return 0
+
+
+EXIT_PEER_LOST = 3  # another process of a multi-process server stopped answering
+
+
+def _process_id(args) -> int:
+    """This process's index in a multi-process run (0 without one). Starts the runtime:
+    the flags or the environment may ask for it (``decode.mesh.mesh_from_args``)."""
+    import jax
+
+    mesh_from_args(args)
+    return jax.process_index()
+
+
+def follow(args, drafter_dir) -> int:
+    """A follower process of a multi-process server: the same models and engine as process
+    0, warmed up with it, then its turns replayed (``engine.lockstep``) until it stops."""
+    from dspark_jax.distributed import finalize_if_started, process_index
+
+    use_compile_cache(args)
+    models = load_for_serving(args, drafter_dir)
+    engine = build_engine(args, drafter_dir, args.scheduler, models)
+    watch_peers(engine, args.peer_timeout)
+    say(f"process {process_index()}: following process 0 (it serves the clients)")
+    code = engine.follow()
+    if code == 0:
+        finalize_if_started()
+    say(f"process {process_index()}: the leader stopped; exiting with status {code}")
+    return code
+
+
+def watch_peers(engine, timeout: float, grace: float = 1.0) -> None:
+    """Several processes: end this one within ``timeout`` (+ ``grace``) seconds of losing
+    another (``engine.lockstep.Watchdog``), or of the leader's engine failing (a collective
+    that broke when a peer died). The leader first fails every request (503 to new ones,
+    /health 'failed') and gives the HTTP layer ``grace`` seconds to answer them; then the
+    process exits with status 3, without waiting on collectives that cannot complete."""
+    if engine.exchange is None:
+        return
+    import threading
+
+    from dspark_jax.engine.lockstep import Watchdog
+
+    if timeout <= 0:
+        raise ValueError(f"--peer-timeout must be > 0 seconds, got {timeout}")
+
+    def give_up(process: int, seconds: float, why: str) -> None:
+        message = (
+            f"process {process} of this multi-process server stopped answering "
+            f"({why}; {seconds:.1f} s): serving cannot continue"
+        )
+        say(message)
+        engine.fail(message)
+        time.sleep(grace)
+        os._exit(EXIT_PEER_LOST)
+
+    Watchdog(engine.exchange, timeout, give_up).start()
+
+    def engine_failed() -> None:  # the leader's loop failed (e.g. a collective broke)
+        while engine.failure is None:
+            time.sleep(0.2)
+        say(f"the engine failed: {engine.failure}; exiting")
+        time.sleep(grace)
+        os._exit(EXIT_PEER_LOST)
+
+    if not engine.is_follower:
+        threading.Thread(target=engine_failed, name="dspark-failure-exit", daemon=True).start()
 
 
 def main(argv=None) -> int:

@@ -46,16 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--workdir", help="checkpoints, metrics and configs (required to train)")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    g = parser.add_argument_group("multi-process (multi-host) training")
-    g.add_argument(
-        "--distributed",
-        action="store_true",
-        help="call jax.distributed.initialize(); without the flags below JAX auto-detects "
-        "the cluster (Cloud TPU, Slurm, Open MPI, Kubernetes)",
-    )
-    g.add_argument("--coordinator", help="HOST:PORT of process 0 (or JAX_COORDINATOR_ADDRESS)")
-    g.add_argument("--num-processes", type=int, help="number of processes (or JAX_NUM_PROCESSES)")
-    g.add_argument("--process-id", type=int, help="this process, 0..N-1 (or JAX_PROCESS_ID)")
+    from dspark_jax import distributed
+
+    distributed.add_arguments(parser, "training")
     a = parser.add_argument_group("ahead-of-time compilation (memory report, no allocation)")
     a.add_argument("--aot", action="store_true", help="compile the training step and report")
     a.add_argument(

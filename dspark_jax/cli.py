@@ -50,6 +50,10 @@ def run_main(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             raise
         return report_error(err)
+    # A multi-process run (dspark_jax.distributed): every process leaves together.
+    from dspark_jax.distributed import finalize_if_started
+
+    finalize_if_started()
     return rc if isinstance(rc, int) and not isinstance(rc, bool) else 0
 
 

@@ -217,10 +217,15 @@ def run(args: argparse.Namespace) -> dict:
     ]
     results, stats = runner.generate(requests)
 
+    from dspark_jax import distributed
+
     out_dir = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(out_dir, exist_ok=True)
     per_prompt: dict[int, int] = {}
-    with open(args.out, "w") as f:
+    # On several processes every one holds the same results; process 0 writes them.
+    leader = distributed.process_index() == 0
+    if leader:
+        os.makedirs(out_dir, exist_ok=True)
+    with open(args.out if leader else os.devnull, "w") as f:
         for res in results:
             s = per_prompt.get(res.prompt_index, 0)
             per_prompt[res.prompt_index] = s + 1

@@ -66,6 +66,7 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
+from dspark_jax import distributed as dist
 from dspark_jax.convert.loading import load_target
 from dspark_jax.data.corpus import (
     HELDOUT,
@@ -326,6 +327,7 @@ def _generate_split(
     from tqdm.auto import tqdm
 
     b = s.batch_size
+    leader = dist.process_index() == 0
     n_batches = -(-len(prompts) // b)
     n_chunks = -(-n_batches // s.chunk_batches)
     stats = {"records": 0, "greedy_records": 0, "generated_tokens": 0, "eos": 0,
@@ -335,7 +337,9 @@ def _generate_split(
         path = _chunk_path(work, split, c)
         lo = c * s.chunk_batches * b
         hi = min(len(prompts), lo + s.chunk_batches * b)
-        if path.exists():
+        if dist.on_leader("distill-chunk-exists", path.exists):
+            if not leader:  # only process 0 reads the chunks and counts them
+                continue
             for i, rec in enumerate(_load_chunk(path)):
                 stats["records"] += 1
                 stats["greedy_records"] += s.batch_temperature(split, (lo + i) // b) == 0
@@ -372,7 +376,8 @@ def _generate_split(
             stats["greedy_records"] += len(batch) if temperature == 0 else 0
             stats["generated_tokens"] += n_new
             bar.update(len(batch))
-        _save_chunk(path, records)
+        if leader:
+            _save_chunk(path, records)
     bar.close()
     return stats
 
@@ -478,29 +483,42 @@ def distill(
         **s.manifest_fields(),
     }
     ds_dir = out / DistillDataset.name / str(DistillDataset.VERSION)
-    if overwrite:
-        shutil.rmtree(ds_dir, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
-    if (ds_dir / "dataset_info.json").exists():
-        have = read_metadata(ds_dir).get("manifest")
-        if have != manifest:
-            raise ValueError(
-                f"{ds_dir} already holds a distillation dataset built with other settings "
-                f"or another target/corpus; pass overwrite=True (--overwrite) or another out dir"
-            )
-        return {"dataset_dir": str(ds_dir), "already_built": True, **read_metadata(ds_dir)}
-    manifest_path = work / "manifest.json"
-    if manifest_path.exists():
-        have = json.loads(manifest_path.read_text())
-        if have != manifest:
-            diff = sorted(k for k in set(have) | set(manifest) if have.get(k) != manifest.get(k))
-            raise ValueError(
-                f"cannot resume in {work}: it was started with different {diff}; "
-                "pass overwrite=True (--overwrite) or use another out dir"
-            )
-    else:
-        work.mkdir(parents=True, exist_ok=True)
-        manifest_path.write_text(json.dumps(manifest, indent=2))
+
+    def prepare() -> dict | None:
+        # On several processes only process 0 reads and writes the output directory (every
+        # process generates every record, the outputs being gathered onto every device);
+        # the others take its decisions (dspark_jax.distributed.on_leader).
+        if overwrite:
+            shutil.rmtree(ds_dir, ignore_errors=True)
+            shutil.rmtree(work, ignore_errors=True)
+        if (ds_dir / "dataset_info.json").exists():
+            have = read_metadata(ds_dir).get("manifest")
+            if have != manifest:
+                raise ValueError(
+                    f"{ds_dir} already holds a distillation dataset built with other settings "
+                    f"or another target/corpus; pass overwrite=True (--overwrite) or another "
+                    "out dir"
+                )
+            return {"dataset_dir": str(ds_dir), "already_built": True, **read_metadata(ds_dir)}
+        manifest_path = work / "manifest.json"
+        if manifest_path.exists():
+            have = json.loads(manifest_path.read_text())
+            if have != manifest:
+                diff = sorted(
+                    k for k in set(have) | set(manifest) if have.get(k) != manifest.get(k)
+                )
+                raise ValueError(
+                    f"cannot resume in {work}: it was started with different {diff}; "
+                    "pass overwrite=True (--overwrite) or use another out dir"
+                )
+        else:
+            work.mkdir(parents=True, exist_ok=True)
+            manifest_path.write_text(json.dumps(manifest, indent=2))
+        return None
+
+    built = dist.on_leader("distill-prepare", prepare)
+    if built is not None:
+        return built
 
     t_start = time.perf_counter()
     gen = make_generate_fn(
@@ -538,6 +556,9 @@ def distill(
         "first_batch_seconds": round(timing["first_seconds"], 2),
         "generation_seconds": round(gen_seconds, 2),
     }
+    if dist.process_index() != 0:  # process 0 writes the dataset (prepare() says why)
+        summary["dataset_dir"] = None
+        return summary
     builder = DistillDataset(
         work_dir=work,
         metadata={"manifest": manifest, "summary": summary},
@@ -675,7 +696,8 @@ def main(argv=None) -> int:
                 progress=not args.no_progress, overwrite=args.overwrite,
                 keep_work=args.keep_work, mesh=target.mesh,
             )  # fmt: skip
-        print(json.dumps(summary, indent=2))
+        if summary.get("dataset_dir") is not None:  # process 0 (the one that wrote it)
+            print(json.dumps(summary, indent=2))
 
     return run_main(cli)
 

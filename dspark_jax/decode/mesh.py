@@ -60,7 +60,11 @@ def decode_mesh(data: int = 1, tensor: int = 1, devices=None) -> Mesh | None:
 
 
 def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--data`` / ``--tensor``, the decode mesh's options (as ``train.py``'s mesh)."""
+    """``--data`` / ``--tensor``, the decode mesh's options (as ``train.py``'s mesh), and
+    the multi-process flags (``dspark_jax.distributed``: a mesh over several hosts)."""
+    from dspark_jax import distributed
+
+    distributed.add_arguments(parser, "decoding: one process per host, one global mesh")
     g = parser.add_argument_group("device mesh (default: one device)")
     g.add_argument(
         "--tensor", type=int, default=1, metavar="M",
@@ -74,7 +78,23 @@ def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def mesh_from_args(args: argparse.Namespace) -> Mesh | None:
-    return decode_mesh(getattr(args, "data", 1), getattr(args, "tensor", 1))
+    """The mesh of ``--data``/``--tensor``, after starting the multi-process runtime when
+    the flags (or the environment) ask for one; then the mesh must hold every process's
+    devices (a process without a device in it could not take part)."""
+    import jax
+
+    from dspark_jax import distributed
+
+    if not jax.distributed.is_initialized():
+        distributed.initialize_from_args(args)
+    data, tensor = getattr(args, "data", 1), getattr(args, "tensor", 1)
+    if jax.process_count() > 1 and data * tensor != jax.device_count():
+        raise ValueError(
+            f"with {jax.process_count()} processes the mesh must hold all "
+            f"{jax.device_count()} devices ({jax.local_device_count()} per process); "
+            f"--data {data} --tensor {tensor} holds {data * tensor}"
+        )
+    return decode_mesh(data, tensor)
 
 
 def mesh_context(mesh):
@@ -194,7 +214,9 @@ def check_fits(decoder, device_bytes: int | None = None, headroom: float = 0.9) 
     import jax
 
     if device_bytes is None:
-        dev = (jax.devices() if decoder.mesh is None else decoder.mesh.devices.flat)[0]
+        devices = jax.devices() if decoder.mesh is None else list(decoder.mesh.devices.flat)
+        # This process's own device (only those report their memory).
+        dev = next(d for d in devices if d.process_index == jax.process_index())
         stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
         device_bytes = (stats or {}).get("bytes_limit")
         if not device_bytes:

@@ -62,7 +62,9 @@ def profile_decoder_sps(
     ``progress(budget, i, n)``: see ``sps.profile_sps``."""
     fns = decoder.profile_step_fns(budgets)
     kw = dict(repeats=repeats, warmup=warmup, progress=progress)
-    if cache_path is None:
+    if decoder.spans_processes:
+        table = _profile_on_every_process(fns, cache_path, key, kw)
+    elif cache_path is None:
         table = sps_lib.profile_sps(fns, **kw)
     else:
         if key is None:
@@ -70,6 +72,26 @@ def profile_decoder_sps(
         table = sps_lib.load_or_profile(cache_path, key, fns, **kw)
     decoder.set_sps_table(table)
     return table
+
+
+def _profile_on_every_process(fns, cache_path, key, kw) -> sps_lib.SPSTable:
+    """SPS on a mesh over several processes: every process must run the same rounds and
+    then schedule from the same table, so process 0 decides (its cache hit, else the
+    profile every process runs together, timed by process 0) and the others take its
+    table. A follower's own cache file is never read: it may be stale or absent."""
+    from dspark_jax import distributed as dist
+
+    leader = dist.process_index() == 0
+    cached = None
+    if leader and cache_path is not None:
+        cached = sps_lib.cached_table(cache_path, key, fns)
+    hit = dist.broadcast_json("sps-cache-hit", None if cached is None else cached.to_json())
+    if hit is not None:
+        return sps_lib.SPSTable.from_json(hit)
+    table = sps_lib.profile_sps(fns, **kw)
+    if leader and cache_path is not None:
+        sps_lib.store_table(cache_path, key, table)
+    return sps_lib.SPSTable.from_json(dist.broadcast_json("sps-profile", table.to_json()))
 
 
 class RoundPolicy:

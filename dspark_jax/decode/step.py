@@ -137,6 +137,13 @@ class SpeculativeDecoder:
         # Data replicas (decode.replicas): D blocks of R/D slots, each with its own page
         # pool of num_pages/D pages; every step runs per replica. One replica: no change.
         self.replicas = replicas_lib.replica_count(mesh)
+        # A mesh over several processes (hosts): every process reads each output the host
+        # loop needs, and a process can read only its own devices' shards, so the outputs
+        # are gathered onto every device (a few KiB per round: tokens, counts, survivals).
+        # One process keeps them where they are (device_get gathers them on the host).
+        self.spans_processes = mesh is not None and any(
+            d.process_index != jax.process_index() for d in mesh.devices.flat
+        )
         if config.num_slots % self.replicas:
             raise ValueError(
                 f"--data {self.replicas} needs a slot count it divides (each replica owns "
@@ -370,6 +377,10 @@ class SpeculativeDecoder:
             state, *rest = impl(*args)
             if self.mesh is not None:
                 state = jax.lax.with_sharding_constraint(state, self._state_shardings)
+            if self.spans_processes:
+                rest = jax.lax.with_sharding_constraint(
+                    rest, jax.sharding.NamedSharding(self.mesh, P())
+                )
             return (state, *rest)
 
         pinned.__name__ = pinned.__qualname__ = name

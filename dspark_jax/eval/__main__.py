@@ -205,6 +205,10 @@ def cmd_acceptance(args) -> int:
         n: {"file": str(f), "num_prompts": len(ps)}
         for (n, ps), f in zip(sets.items(), args.prompts)
     }
+    from dspark_jax import distributed
+
+    if distributed.process_index() != 0:  # every process holds the results; one writes
+        return 0
     out, rounds_file = acc.write_results(args.out, entries, arrays, meta)
     print(f"wrote {out} and {rounds_file}")
     return 0
@@ -389,6 +393,10 @@ def cmd_calibrate(args) -> int:
             )
         print(f"warning: {message}; writing {out} anyway (--force)")
         data["worse_heldout_positions"] = [r["position"] for r in worse]
+    from dspark_jax import distributed
+
+    if distributed.process_index() != 0:  # every process fitted the same; one writes
+        return 0
     path = cal.save_sts(
         out,
         res,

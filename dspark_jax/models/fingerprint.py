@@ -15,6 +15,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from dspark_jax.distributed import to_host
+
 __all__ = ["FINGERPRINT_ROWS", "fingerprint_from_sample", "sample_stride", "weights_fingerprint"]
 
 FINGERPRINT_ROWS = 1024  # embedding rows hashed, evenly strided over the vocabulary
@@ -57,4 +59,5 @@ def weights_fingerprint(params: Mapping) -> str:
         ) from None
     shape = np.shape(embedding)
     rows = embedding[:: sample_stride(shape[0])]  # a jax.Array is sliced on its devices
-    return fingerprint_from_sample(shape, np.asarray(rows), np.asarray(norm))
+    # On a mesh over several processes each process holds only some rows: gather them.
+    return fingerprint_from_sample(shape, to_host(rows), to_host(norm))

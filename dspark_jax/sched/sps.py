@@ -164,6 +164,28 @@ def _read_cache(path: str) -> dict[str, Any]:
     return data
 
 
+def cached_table(cache_path: str, key: str, buckets) -> SPSTable | None:
+    """The table cached under ``key`` if it covers exactly ``buckets``, else None."""
+    data = _read_cache(cache_path)
+    if key in data:
+        table = SPSTable.from_json(data[key])
+        if list(table.buckets) == sorted(int(b) for b in buckets):
+            return table
+    return None
+
+
+def store_table(cache_path: str, key: str, table: SPSTable) -> None:
+    """Write ``table`` under ``key`` (atomically; other keys in the file are kept)."""
+    data = _read_cache(cache_path)
+    data[key] = table.to_json()
+    directory = os.path.dirname(os.path.abspath(cache_path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, cache_path)
+
+
 def load_or_profile(
     cache_path: str,
     key: str,
@@ -175,18 +197,9 @@ def load_or_profile(
     """Return the cached table for ``key`` if it covers the same buckets (no step function
     is called then), else a fresh ``profile_sps`` result written back (atomically) under ``key``.
     Other keys in the file are preserved."""
-    data = _read_cache(cache_path)
-    buckets = sorted(int(b) for b in step_fn_by_budget)
-    if key in data:
-        table = SPSTable.from_json(data[key])
-        if list(table.buckets) == buckets:
-            return table
+    table = cached_table(cache_path, key, step_fn_by_budget)
+    if table is not None:
+        return table
     table = profile_sps(step_fn_by_budget, repeats=repeats, warmup=warmup, progress=progress)
-    data[key] = table.to_json()
-    directory = os.path.dirname(os.path.abspath(cache_path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, cache_path)
+    store_table(cache_path, key, table)
     return table

@@ -45,6 +45,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -132,19 +133,33 @@ class Engine(Service):
         # The host core the offline runner drives too (engine/core.py): slots, the KV page
         # pool (a request reserves its pages at admission), prefill shapes, the round
         # policy (verify buckets, the budget rule, two-phase Algorithm 1), pipelined here.
-        self.core = EngineCore(
+        # A mesh over several processes (engine/lockstep.py): process 0's core publishes
+        # each turn's operations, the others replay them (``follow``).
+        core_class, extra = EngineCore, {}
+        self.exchange = None
+        if self.decoder.spans_processes:
+            from dspark_jax import distributed
+            from dspark_jax.engine import lockstep
+
+            self.exchange = lockstep.Exchange()
+            if distributed.process_index() == 0:
+                core_class, extra = lockstep.LeaderCore, {"exchange": self.exchange}
+        self.core = core_class(
             self.decoder,
             cfg.verify_buckets,
             prefill_batch=cfg.prefill_batch,
             pipelined=True,
             seed=cfg.seed,
             times=self.stats,
+            **extra,
         )
         self.policy = self.core.policy
         self.pages = self.core.pages
         self.shapes = ServingShapes(
             self.decoder, self.policy, cfg, tokenizer.eos_id, self.core.prefill
         )
+        if self.exchange is not None:
+            self._check_processes_agree(target, target_params, drafter, tokenizer)
         self.sps_table: sps_lib.SPSTable | None = None
         self.attention_backend = self.decoder.attention
 
@@ -195,6 +210,52 @@ class Engine(Service):
 
     def _warm(self) -> None:  # the Service hook
         self.warmup()
+
+    # -- several processes (engine/lockstep.py) ------------------------------------------
+    @property
+    def is_follower(self) -> bool:
+        """A process other than the leader of a multi-process mesh: it serves no client
+        and runs ``follow()`` instead of ``start()``."""
+        return self.exchange is not None and not hasattr(self.core, "close")
+
+    def follow(self) -> int:
+        """A follower's whole life: warm up with the leader (the same compilations and
+        SPS profile, the leader's table), then replay its turns until it stops; returns
+        the exit code the leader sent."""
+        from dspark_jax.engine import lockstep
+
+        if not self.is_follower:
+            raise RuntimeError("follow() is for the processes other than process 0")
+        self.warmup()
+        return lockstep.follow(self.core, self.exchange)
+
+    def _loop_ended(self, failed: bool) -> None:  # the Service hook
+        if self.exchange is not None and not self.is_follower:
+            self.core.close(1 if failed else 0)  # the followers stop with the leader
+
+    def _check_processes_agree(self, target, target_params, drafter, tokenizer) -> None:
+        """Every process must serve the same models on the same mesh with the same
+        settings, or the first collective would wait forever: refuse at start, naming
+        the difference (``dspark_jax.distributed.check_same``)."""
+        from dspark_jax import distributed
+        from dspark_jax.models.fingerprint import weights_fingerprint
+
+        cfg = self.config
+        settings = {
+            "target config": json.loads(target.config.to_json()),
+            "target weights": weights_fingerprint(target_params),
+            "drafter": None if drafter is None else dataclasses.asdict(drafter.config),
+            "tokenizer vocabulary": tokenizer.vocab_size,
+            "mesh": self.mesh,
+            "scheduler": self.scheduler,
+            "verify buckets": list(self.policy.buckets),
+            **{
+                f"engine {k}": v
+                for k, v in dataclasses.asdict(cfg).items()
+                if k not in ("sps_cache", "model_name", "max_queue", "max_logprobs")
+            },
+        }
+        distributed.check_same("serving settings", settings)
 
     def profile_prefill(self, repeats: int = 3) -> dict[tuple[int, int], float]:
         """Median seconds of one prefill call per compiled ``(rows, prompt bucket)`` (for

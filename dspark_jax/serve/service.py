@@ -80,6 +80,25 @@ class Service:
             self.failure = f"engine failure: {type(e).__name__}: {e}"
             self._accepting = False
             self._fail_everything("error", self.failure)
+        finally:
+            self._loop_ended(failed=self.failure is not None)
+
+    def _loop_ended(self, failed: bool) -> None:
+        """Called once the loop thread ends (drained, aborted or failed)."""
+
+    def fail(self, reason: str) -> None:
+        """End the service from outside its loop (another process of a multi-host run
+        was lost): every request fails with ``reason``, /health reports it, nothing new
+        is accepted. The loop thread may be blocked on the device; it is not waited on."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = reason
+            self._accepting = False
+            self._wake.notify_all()
+        try:
+            self._fail_everything("error", reason)
+        except Exception:  # the loop thread may be mid-turn; the process is ending anyway
+            log.exception("failing the remaining requests")
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until a background warm-up has ended; True if the service is running."""

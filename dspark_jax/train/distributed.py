@@ -4,12 +4,9 @@ JAX is multi-controller: the same ``train.py`` runs once per host (process), eve
 sees all devices of the mesh, and each feeds only its own devices' rows of the global
 batch. This module holds the pieces the loop needs for that:
 
-* :func:`initialize`: ``jax.distributed.initialize`` from explicit flags
-  (``--coordinator HOST:PORT --num-processes N --process-id I``), from environment variables
-  (``JAX_COORDINATOR_ADDRESS`` — read by JAX itself — plus ``JAX_NUM_PROCESSES`` /
-  ``JAX_PROCESS_ID``, read here), or from JAX's cluster auto-detection (Cloud TPU, Slurm,
-  Open MPI, Kubernetes) when ``--distributed`` is given without details. On CPU the
-  cross-process collectives are gloo (TCP).
+* :func:`initialize` / :func:`finalize` (re-exported from ``dspark_jax.distributed``,
+  which every entry point shares): the multi-process start from flags, environment
+  variables or JAX's cluster detection, and the common end.
 * :class:`HostShardedIterator`: the data is split into ``data.num_shards`` *logical* shards
   (grain's strided record sharding); process ``i`` of ``P`` reads shards
   ``[i·S/P, (i+1)·S/P)`` and concatenates their rows into its share of the global batch.
@@ -23,141 +20,22 @@ from __future__ import annotations
 
 import glob
 import json
-import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
-ENV_PROCESS_ID = "JAX_PROCESS_ID"
-ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"  # JAX's own variable
-
-
-def _env_int(name: str) -> int | None:
-    text = os.environ.get(name)
-    if text is None or text == "":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got {text!r}") from None
-
-
-def _check_address(address: str) -> None:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(
-            f"coordinator address must be HOST:PORT (e.g. 10.0.0.2:1234), got {address!r}"
-        )
-
-
-def resolve_settings(
-    coordinator: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    auto: bool = False,
-) -> dict[str, Any] | None:
-    """The keyword arguments for ``jax.distributed.initialize``, or ``None`` (single process).
-
-    Flags win over environment variables. ``auto`` (``--distributed``) with nothing else
-    set returns ``{}``: JAX then detects the cluster (Cloud TPU metadata, Slurm, Open MPI,
-    Kubernetes). A coordinator without a process count/id is an error (except under
-    ``auto``, where detection may fill them in).
-    """
-    coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
-    num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
-    process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
-    if coordinator is None and num_processes is None and process_id is None:
-        return {} if auto else None
-    if coordinator is not None:
-        _check_address(coordinator)
-    if num_processes is not None and num_processes < 1:
-        raise ValueError(f"--num-processes must be >= 1, got {num_processes}")
-    if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
-        raise ValueError(
-            f"--process-id must be in [0, {num_processes - 1}] for --num-processes "
-            f"{num_processes}, got {process_id}"
-        )
-    if not auto:
-        missing = [
-            flag
-            for flag, value in (
-                ("--coordinator", coordinator),
-                ("--num-processes", num_processes),
-                ("--process-id", process_id),
-            )
-            if value is None
-        ]
-        if missing:
-            raise ValueError(
-                f"multi-process start needs --coordinator, --num-processes and --process-id "
-                f"(or {ENV_COORDINATOR}/{ENV_NUM_PROCESSES}/{ENV_PROCESS_ID}); missing "
-                f"{missing}. Use --distributed alone to auto-detect a TPU/Slurm/MPI cluster."
-            )
-    out: dict[str, Any] = {}
-    if coordinator is not None:
-        out["coordinator_address"] = coordinator
-    if num_processes is not None:
-        out["num_processes"] = num_processes
-    if process_id is not None:
-        out["process_id"] = process_id
-    return out
-
-
-def initialize(
-    coordinator: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    auto: bool = False,
-    initialization_timeout: int = 300,
-) -> bool:
-    """Start the JAX distributed runtime if a multi-process run is configured.
-
-    Must run before any JAX computation. Returns True when initialised. A one-process
-    "cluster" (``--num-processes 1``) is valid and initialises too (useful to test the path).
-    """
-    import jax
-
-    settings = resolve_settings(coordinator, num_processes, process_id, auto)
-    if settings is None:
-        return False
-    # CPU processes exchange collectives over TCP with gloo (the JAX default since 0.5, set
-    # explicitly so an environment override of the default cannot silently disable it).
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(initialization_timeout=initialization_timeout, **settings)
-    # Before anything compiles: a multi-process CPU run would hang on a cached executable's
-    # collectives (compile_cache's docstring says why).
-    from dspark_jax.compile_cache import disable_where_unsafe
-
-    reason = disable_where_unsafe()
-    if reason is not None:
-        logging.getLogger(__name__).warning("%s", reason)
-    return True
-
-
-def finalize() -> None:
-    """End a multi-process run in step: every process waits at a barrier until all have
-    finished (their last checkpoint writes included), then leaves the distributed runtime.
-    Left to interpreter exit, process 0 can tear down the coordination service while
-    another process still has a request in flight, and the gRPC server then aborts
-    process 0 (seen once in CI, jax 0.10.2: ``Check failed: queue.Pop() == nullptr`` in
-    ``DistributedRuntimeService::Shutdown``). Nothing to do in a one-process run."""
-    import jax
-
-    if jax.process_count() <= 1:
-        return
-    from jax.experimental import multihost_utils
-
-    multihost_utils.sync_global_devices("dspark_jax.train.distributed.finalize")
-    jax.distributed.shutdown()
-
-
-def is_main_process() -> bool:
-    import jax
-
-    return jax.process_index() == 0
+# The process start is shared with every decoding entry point (dspark_jax/distributed.py).
+from dspark_jax.distributed import (  # noqa: E402, F401
+    ENV_COORDINATOR,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    finalize,
+    initialize,
+    is_main_process,
+    resolve_settings,
+)
 
 
 # ----------------------------------------------------------------------------------------
