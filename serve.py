@@ -121,6 +121,13 @@ def parse_args(argv=None):
     )
     add_mesh_arguments(p)
     p.add_argument(
+        "--verify-buckets",
+        default=None,
+        metavar="K1,K2,...",
+        help="compiled verify budgets (draft tokens verified per round over all slots; the "
+        "full budget R·γ is always added). Default: a ladder up to R·γ; fewer compile faster",
+    )
+    p.add_argument(
         "--peer-timeout",
         type=float,
         default=30.0,
@@ -265,8 +272,20 @@ def build_engine(args, drafter_dir, scheduler, models=None):
         attention=args.attention,
         sps_cache=args.sps_cache or default_cache_path(),
         model_name=name,
+        verify_buckets=_buckets(getattr(args, "verify_buckets", None)),
     )
     return Engine(target, tp, tok, drafter, dp, cfg, sts=sts, mesh=mesh)
+
+
+def _buckets(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--verify-buckets must be comma-separated integers (e.g. 8,16,32), got {text!r}"
+        ) from None
 
 
 def find_demo_prompts(path: str | None) -> str | None:

@@ -315,3 +315,26 @@ def tiny_hf_qwen3(
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(tokenizer_config, f, indent=2)
     return {"path": out_dir, "writer": writer, "vocab_size": vocab, "tokenizer_size": n_ids}
+
+
+def multiprocess_env(devices_per_process: int) -> dict[str, str]:
+    """Environment for the processes of a local multi-process run in tests: CPU,
+    ``devices_per_process`` fake devices each (the test's own count removed)."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(
+        [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+        + [f"--xla_force_host_platform_device_count={devices_per_process}"]
+    )
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return env
+
+
+def launch_processes(cmd: list[str], n: int, port: int, env: dict, **popen) -> list:
+    """``cmd`` started ``n`` times as the processes of one JAX program (coordinator on
+    127.0.0.1:``port``, ``--process-id`` 0 … n-1); returns the ``Popen`` objects."""
+    extra = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n)]
+    return [
+        subprocess.Popen(cmd + extra + ["--process-id", str(i)], env=env, **popen)
+        for i in range(n)
+    ]

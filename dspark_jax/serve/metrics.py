@@ -73,6 +73,14 @@ class EngineMetrics:
             "runs the round's common bucket, the largest replica's; 0 with one replica)",
             registry=r,
         )
+        self.lockstep = Gauge(
+            "dspark_lockstep",
+            "Several processes (engine/lockstep.py), the leader's exchange since start: turns "
+            "published, their bytes, the largest turn's bytes, seconds spent publishing "
+            "(0 on one process)",
+            ["quantity"],
+            registry=r,
+        )
         self.engine_up = Gauge("dspark_engine_up", "1 while the engine loop runs", registry=r)
         self.engine_seconds = Gauge(
             "dspark_engine_seconds",
@@ -135,6 +143,12 @@ class EngineMetrics:
         )
         self.page_waits.set_function(lambda: engine.stats.page_waits)
         self.replica_padding.set_function(lambda: engine.stats.padding_rows)
+        ex = getattr(engine, "exchange", None)
+        for q, attr in (("turns", "turns_sent"), ("bytes", "bytes_sent"),
+                        ("largest_turn_bytes", "largest_turn"), ("seconds", "send_seconds")):  # fmt: skip
+            self.lockstep.labels(q).set_function(
+                lambda a=attr: 0.0 if ex is None else float(getattr(ex, a))
+            )
         self.attention.labels(engine.attention_backend).set(1)
         m = engine.mesh
         self.mesh.labels(str(m["data"]), str(m["tensor"]), m["platform"]).set(m["devices"])

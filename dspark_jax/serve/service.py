@@ -95,8 +95,8 @@ class Service:
                 self.failure = reason
             self._accepting = False
             self._wake.notify_all()
-        try:
-            self._fail_everything("error", reason)
+        try:  # "abort": the server answers 503 (the service is gone, not the request)
+            self._fail_everything("abort", reason)
         except Exception:  # the loop thread may be mid-turn; the process is ending anyway
             log.exception("failing the remaining requests")
 
