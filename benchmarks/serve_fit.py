@@ -31,7 +31,10 @@ sys.path.insert(0, REPO)
 
 # The smallest slice libtpu names for t chips (one device per chip): 4 and 8; tensor 1 and
 # 2 compile on the first t chips of the 4-chip slice.
-TOPOLOGY = {"v5e": {4: "v5e:2x2", 8: "v5e:2x4"}, "v5p": {4: "v5p:2x2x1", 8: "v5p:2x2x2"}}
+# 16 chips: a slice of 4 hosts (v5p-32, v5e-16), whose round gathers its outputs onto
+# every chip for the 4 host processes (``SpeculativeDecoder.spans_processes``).
+TOPOLOGY = {"v5e": {4: "v5e:2x2", 8: "v5e:2x4", 16: "v5e:4x4"},
+            "v5p": {4: "v5p:2x2x1", 8: "v5p:2x2x2", 16: "v5p:2x2x4"}}  # fmt: skip
 # HBM per chip, GB = 1e9 (Google Cloud TPU system architecture pages).
 HBM_GB = {"v5e": 16.0, "v5p": 95.0}
 SIZES = ("qwen3-4b", "qwen3-8b", "qwen3-14b")
@@ -45,9 +48,13 @@ def compile_row(preset: str, chip: str, data: int, tensor: int, slots: int, max_
 
     n = data * tensor
     topology = TOPOLOGY[chip][max(n, 4)]
-    mesh = make_mesh(data, 1, tensor, devices=aot.topology_devices(topology)[:n])
+    devices = aot.topology_devices(topology)[:n]
+    mesh = make_mesh(data, 1, tensor, devices=devices)
+    hosts = len({d.process_index for d in devices})
     if n < 4:
         topology += f" (first {n} chip{'s' if n > 1 else ''})"
+    elif hosts > 1:
+        topology += f" ({hosts} hosts)"
     target = get_preset(preset)
     drafter = DrafterConfig(
         kind="dspark", gamma=7, num_layers=5, markov_rank=256,

@@ -91,7 +91,7 @@ MANIFEST = (
         Entry((R + "roofline_*.md", R + "roofline_*.json"), roofline.roofline),
     )),
     Page("serving.md", "Serving", "start-up, soak, serving under load on CPU, the serving "
-         "simulator and its validation, mesh layouts compared, the decode mesh's overhead", (
+         "simulator and its validation, mesh layouts compared, the decode mesh's overhead, serving on two processes", (
         Entry((R + "startup.json",), serving.startup),
         Entry((R + "soak.json",), serving.soak),
         Entry((R + "serving.json", R + "serving_t1.json"), serving.serving),
@@ -100,6 +100,8 @@ MANIFEST = (
         Entry((R + "serving_sim_layouts.md", R + "serving_sim_layouts.json"),
               serving.sim_layouts),
         Entry((R + "mesh_overhead.md", R + "mesh_overhead.json"), serving.mesh_overhead),
+        Entry((R + "lockstep_exchange.md", R + "lockstep_exchange.json"),
+              serving.lockstep_exchange),
     )),
     Page("train-cost.md", "Training cost on TPU slices", "the drafter training step's "
          "roofline (XLA:TPU, modelled step time and MFU) and chip-hours for DeepSpec's recipe, "

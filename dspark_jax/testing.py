@@ -335,6 +335,5 @@ def launch_processes(cmd: list[str], n: int, port: int, env: dict, **popen) -> l
     127.0.0.1:``port``, ``--process-id`` 0 … n-1); returns the ``Popen`` objects."""
     extra = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n)]
     return [
-        subprocess.Popen(cmd + extra + ["--process-id", str(i)], env=env, **popen)
-        for i in range(n)
+        subprocess.Popen(cmd + extra + ["--process-id", str(i)], env=env, **popen) for i in range(n)
     ]

@@ -391,3 +391,45 @@ def test_greedy_distill_on_a_tensor_mesh_writes_the_same_records(env, greedy, tm
     for split in (TRAIN, HELDOUT):
         want = [r["tokens"].tolist() for r in _records(greedy["out"], split)]
         assert [r["tokens"].tolist() for r in _records(out, split)] == want
+
+
+def test_distill_on_two_processes_writes_what_one_process_writes(env, tmp_path):
+    """``--tensor 8`` as two processes × 4 fake devices (``dspark_jax.distributed``) at
+    T = 1: the records one process writes on the same mesh, written once, by process 0."""
+    import subprocess
+    import sys
+
+    from dspark_jax.convert import save_hf
+    from dspark_jax.testing import launch_processes, multiprocess_env
+
+    s = _settings(max_prompts=10, temperature=1.0)
+    one = tmp_path / "one"
+    D.distill(env["model"], env["params"], env["tok"], env["corpus"], one, s,
+              mesh=decode_mesh(tensor=8))  # fmt: skip
+    target = tmp_path / "target"
+    save_hf(target, env["model"].config, env["params"], dtype="float32")
+    (target / "tokenizer.json").write_bytes(Path(env["tok"].path).read_bytes())
+    two = tmp_path / "two"
+    argv = [sys.executable, "-m", "dspark_jax.data.distill", "--target", str(target),
+            "--corpus-dir", str(env["corpus"]), "--out-dir", str(two), "--prompt-len", str(P),
+            "--max-new-tokens", str(M), "--windows-per-doc", "3", "--batch-size", str(B),
+            "--temperature", "1.0", "--seed", "3", "--chunk-batches", "2",
+            "--max-prompts", "10", "--no-progress", "--tensor", "8"]  # fmt: skip
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    repo = Path(__file__).resolve().parents[1]
+    procs = launch_processes(argv, 2, port, multiprocess_env(4), cwd=repo,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    outs = [p.communicate(timeout=400) for p in procs]
+    for i, (p, (_, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i}:\n{err[-3000:]}"
+    out0 = outs[0][0]  # gloo's connection lines come before and after on stdout
+    summary, _ = json.JSONDecoder().raw_decode(out0[out0.index("{\n") :])
+    assert summary["records"][TRAIN] == 10
+    assert '"records"' not in outs[1][0]  # only process 0 wrote and reported the dataset
+    for split in (TRAIN, HELDOUT):
+        want = [r["tokens"].tolist() for r in _records(one, split)]
+        assert [r["tokens"].tolist() for r in _records(two, split)] == want

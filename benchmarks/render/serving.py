@@ -212,6 +212,11 @@ def mesh_overhead(results: pathlib.Path) -> list[str]:
     return common.included(path, common.command_of(path)) if path.is_file() else []
 
 
+def lockstep_exchange(results: pathlib.Path) -> list[str]:
+    path = results / "lockstep_exchange.md"
+    return common.included(path, common.command_of(path)) if path.is_file() else []
+
+
 def sim_layouts(results: pathlib.Path) -> list[str]:
     path = results / "serving_sim_layouts.md"
     return common.included(path, common.command_of(path)) if path.is_file() else []

@@ -39,7 +39,7 @@ from dspark_jax import distributed
 from dspark_jax.decode.step import FINISH_NONE
 from dspark_jax.engine.core import CoreRequest, Emitted, EngineCore
 
-__all__ = ["Exchange", "LeaderCore", "Watchdog", "follow"]
+__all__ = ["Exchange", "LeaderCore", "Watchdog", "admission", "encode", "follow"]
 
 log = logging.getLogger(__name__)
 PREFIX = "dspark/serve"
@@ -62,7 +62,7 @@ class Exchange:
 
     def publish(self, turn: int, ops: list) -> None:
         t0 = time.perf_counter()
-        payload = json.dumps(ops, separators=(",", ":")).encode()
+        payload = encode(ops)
         self.client.key_value_set_bytes(f"{PREFIX}/turn/{turn}", payload)
         if turn >= self.keep:
             self.client.key_value_delete(f"{PREFIX}/turn/{turn - self.keep}")
@@ -148,6 +148,22 @@ class Watchdog:
             self.on_silent(process, seconds, why)
 
 
+def admission(uid: int, request: CoreRequest) -> list:
+    """The operation that admits ``request`` as number ``uid``: its prompt ids, sampling
+    settings and random stream, all a follower needs to run it as the leader does."""
+    keys = np.asarray(request.keys)
+    return [
+        "a", uid, [int(t) for t in request.prompt], int(request.max_new_tokens),
+        float(request.temperature), int(request.top_k), float(request.top_p),
+        keys.tolist(), str(keys.dtype), bool(request.coupled),
+    ]  # fmt: skip
+
+
+def encode(ops: list) -> bytes:
+    """A turn as it travels (compact JSON)."""
+    return json.dumps(ops, separators=(",", ":")).encode()
+
+
 class LeaderCore(EngineCore):
     """The leader's engine core: the same core, with every operation that changes it
     logged and each turn published before it runs (module docstring)."""
@@ -164,12 +180,7 @@ class LeaderCore(EngineCore):
         super().add(request)  # checked first: a refused request is never sent
         uid = next(self._ids)
         self._uid[request] = uid
-        keys = np.asarray(request.keys)
-        self._ops.append([
-            "a", uid, [int(t) for t in request.prompt], int(request.max_new_tokens),
-            float(request.temperature), int(request.top_k), float(request.top_p),
-            keys.tolist(), str(keys.dtype), bool(request.coupled),
-        ])  # fmt: skip
+        self._ops.append(admission(uid, request))
 
     def end(self, request: CoreRequest) -> None:
         uid = self._uid.pop(request, None)
