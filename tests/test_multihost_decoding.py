@@ -1,8 +1,9 @@
 """Decoding on two processes × 4 fake CPU devices (gloo collectives, coordinator on
 127.0.0.1), against one process with the same 8-device mesh.
 
-* ``generate`` (the offline engine, as evaluation drives it) on data 2 × tensor 4 at
-  T = 1: the same samples as one process, written once, by process 0.
+* ``slow``: ``generate`` (the offline engine, as evaluation drives it) on data 2 × tensor 4
+  at T = 1: the same samples as one process, written once, by process 0. (Distillation's
+  two-process test, in ``test_distill.py``, runs by default.)
 * ``serve.py`` on tensor 8: the ``openai`` client gets the single-process server's
   answers (completion, stream, chat, ``n`` > 1 with logprobs, a seeded T = 1 request,
   coupled); ``/metrics`` counts the leader's turns and their bytes; SIGTERM to the leader
@@ -68,6 +69,7 @@ def prompts_file(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow  # about 2.5 minutes on 2 cores; distillation's two-process test runs by default
 def test_generate_on_two_processes_equals_one_process(tmp_path, prompts_file):
     args = ["--target", str(REPO / "assets" / "target"),
             "--drafter", str(REPO / "assets" / "drafters" / "dspark"),
