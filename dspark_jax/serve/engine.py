@@ -216,7 +216,9 @@ class Engine(Service):
     def is_follower(self) -> bool:
         """A process other than the leader of a multi-process mesh: it serves no client
         and runs ``follow()`` instead of ``start()``."""
-        return self.exchange is not None and not hasattr(self.core, "close")
+        from dspark_jax.engine.lockstep import LeaderCore
+
+        return self.exchange is not None and not isinstance(self.core, LeaderCore)
 
     def follow(self) -> int:
         """A follower's whole life: warm up with the leader (the same compilations and
