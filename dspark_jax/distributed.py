@@ -269,18 +269,21 @@ def on_leader(name: str, fn, timeout_s: float = 600.0) -> Any:
     return outcome["value"]
 
 
-def to_host(x):
-    """``x`` (a ``jax.Array``, possibly spread over other processes' devices) as a numpy
-    array on this process: gathered onto every device first when this process does not
-    hold all of it."""
+def to_host(x, rows: slice | None = None):
+    """``x`` (or its ``rows``, a slice of its first axis) as a numpy array on this process.
+    A ``jax.Array`` spread over other processes' devices is sliced and gathered onto every
+    device inside one jitted program, which every process runs (so call this on every
+    process, in the same order)."""
     import jax
     import numpy as np
 
-    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
         from jax.sharding import NamedSharding, PartitionSpec
 
-        x = jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
-    return np.asarray(x)
+        take = (lambda a: a) if rows is None else (lambda a: a[rows])
+        x = jax.jit(take, out_shardings=NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
+        return np.asarray(x)
+    return np.asarray(x if rows is None else x[rows])
 
 
 def check_same(what: str, settings: dict[str, Any], timeout_s: float = 600.0) -> None:

@@ -581,7 +581,7 @@ class SpeculativeDecoder:
         if self.replicas > 1:
             return self._prefill_grouped(state, rows)
         with self.mesh_context():
-            return self._prefill(self._params, state, tuple(jnp.asarray(a) for a in rows))
+            return self._prefill(self._params, state, tuple(self._put(a) for a in rows))
 
     def _prefill_grouped(self, state, rows):
         """Prefill with data replicas: each replica gets ``B`` rows (its own rows first,
@@ -602,7 +602,16 @@ class SpeculativeDecoder:
         data = NamedSharding(self.mesh, P(replicas_lib.DATA))
         grouped = tuple(jax.device_put(np.asarray(a), data) for a in grouped)
         with self.mesh_context():
-            return self._prefill(self._params, state, grouped, jnp.asarray(back))
+            return self._prefill(self._params, state, grouped, self._put(back))
+
+    def _put(self, a):
+        """A host array as a prefill input: on a mesh over several processes, put whole on
+        every device explicitly (the same value on every process); else ``jnp.asarray``."""
+        if self.spans_processes and not isinstance(a, jax.Array):
+            from jax.sharding import NamedSharding
+
+            return jax.device_put(np.asarray(a), NamedSharding(self.mesh, P()))
+        return jnp.asarray(a)
 
     def _prefill_impl(self, params, state, rows):
         return prefill_step(self, params, state, rows)

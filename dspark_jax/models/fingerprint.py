@@ -58,6 +58,7 @@ def weights_fingerprint(params: Mapping) -> str:
             f"and norm/scale; missing {e}"
         ) from None
     shape = np.shape(embedding)
-    rows = embedding[:: sample_stride(shape[0])]  # a jax.Array is sliced on its devices
-    # On a mesh over several processes each process holds only some rows: gather them.
-    return fingerprint_from_sample(shape, to_host(rows), to_host(norm))
+    # A jax.Array is sliced on its devices; on a mesh over several processes, where each
+    # process holds only some rows, the sample is gathered (dspark_jax.distributed).
+    rows = to_host(embedding, slice(None, None, sample_stride(shape[0])))
+    return fingerprint_from_sample(shape, rows, to_host(norm))
