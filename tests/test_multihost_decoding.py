@@ -92,8 +92,13 @@ def test_generate_on_two_processes_equals_one_process(tmp_path, prompts_file):
 
 
 # On jax 0.12.1 (CPU, gloo) the two-process server hangs in its warm-up: both processes
-# wait in a host-to-device transfer of the second prefill pass (jax's device_put), while
-# the same transfers complete in the offline jobs' two processes. Not yet understood.
+# wait in a host-to-device transfer of a prefill's inputs, inside the check jax 0.12's
+# device_put makes that every process holds the same value (multihost_utils.assert_equal
+# -> process_allgather), while the same transfers complete in the offline jobs' two
+# processes. The leader warms up in a thread, not the main thread; a two-process repro
+# that dispatches from a thread on one process and the main thread on the other hangs the
+# same way, one with threads on both sides runs, but running the follower's warm-up in a
+# thread too did not end the hang. Not yet understood.
 _SERVER_HANGS = pytest.mark.skipif(
     tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11),
     reason="two-process serving hangs in warm-up on jax >= 0.11's CPU backend (see above)",
