@@ -121,6 +121,7 @@ class Watchdog:
 
     def _run(self) -> None:
         seen: dict[int, tuple[str | None, float]] = {}
+        failing_since = None  # the first of an unbroken run of failed store calls
         for beat in itertools.count():
             if self._stop.is_set():
                 return
@@ -136,10 +137,11 @@ class Watchdog:
                     elif now - seen[p][1] > self.timeout:
                         self._silent(p, now - seen[p][1], "its heartbeat stopped")
                         return
-            except Exception as e:  # the coordination service itself is gone
-                last = min((t for _, t in seen.values()), default=now)
-                if now - last > self.timeout or self._stop.wait(self.timeout):
-                    self._silent(0, now - last, f"the coordination service failed ({e})")
+                failing_since = None
+            except Exception as e:  # the coordination service (process 0's) is gone
+                failing_since = now if failing_since is None else failing_since
+                if now - failing_since > self.timeout:
+                    self._silent(0, now - failing_since, f"the coordination service failed ({e})")
                     return
             self._stop.wait(self.interval)
 
