@@ -592,7 +592,7 @@ def serve(args) -> int:
     use_compile_cache(args)
     models = load_for_serving(args, drafter_dir)
     engine = build_engine(args, drafter_dir, args.scheduler, models)
-    watch_peers(engine, args.peer_timeout)
+    watchdog = watch_peers(engine, args.peer_timeout)
     template = load_chat_template(args.target)
     app = create_app(engine, chat_template=template, limits=limits)
     server = make_server(app, args.host, args.port)
@@ -617,9 +617,11 @@ def serve(args) -> int:
     if engine.failure:
         return 1
     # Several processes: the followers got the last turn when the engine stopped (drained);
-    # every process leaves the distributed runtime together.
+    # every process stops its heartbeat, then all leave the distributed runtime together.
     from dspark_jax.distributed import finalize_if_started
 
+    if watchdog is not None:
+        watchdog.stop()
     finalize_if_started()
     return 0
 
@@ -644,23 +646,26 @@ def follow(args, drafter_dir) -> int:
     use_compile_cache(args)
     models = load_for_serving(args, drafter_dir)
     engine = build_engine(args, drafter_dir, args.scheduler, models)
-    watch_peers(engine, args.peer_timeout)
+    watchdog = watch_peers(engine, args.peer_timeout)
     say(f"process {process_index()}: following process 0 (it serves the clients)")
     code = engine.follow()
     if code == 0:
+        watchdog.stop()
         finalize_if_started()
     say(f"process {process_index()}: the leader stopped; exiting with status {code}")
     return code
 
 
-def watch_peers(engine, timeout: float, grace: float = 1.0) -> None:
+def watch_peers(engine, timeout: float, grace: float = 1.0):
     """Several processes: end this one within ``timeout`` (+ ``grace``) seconds of losing
     another (``engine.lockstep.Watchdog``), or of the leader's engine failing (a collective
     that broke when a peer died). The leader first fails every request (503 to new ones,
     /health 'failed') and gives the HTTP layer ``grace`` seconds to answer them; then the
-    process exits with status 3, without waiting on collectives that cannot complete."""
+    process exits with status 3, without waiting on collectives that cannot complete.
+    Returns the started ``Watchdog`` (None with one process): stop it before leaving the
+    distributed runtime."""
     if engine.exchange is None:
-        return
+        return None
     import threading
 
     from dspark_jax.engine.lockstep import Watchdog
@@ -678,7 +683,7 @@ def watch_peers(engine, timeout: float, grace: float = 1.0) -> None:
         time.sleep(grace)
         os._exit(EXIT_PEER_LOST)
 
-    Watchdog(engine.exchange, timeout, give_up).start()
+    watchdog = Watchdog(engine.exchange, timeout, give_up).start()
 
     def engine_failed() -> None:  # the leader's loop failed (e.g. a collective broke)
         while engine.failure is None:
@@ -689,6 +694,7 @@ def watch_peers(engine, timeout: float, grace: float = 1.0) -> None:
 
     if not engine.is_follower:
         threading.Thread(target=engine_failed, name="dspark-failure-exit", daemon=True).start()
+    return watchdog
 
 
 def main(argv=None) -> int:

@@ -105,10 +105,14 @@ class Watchdog:
         timeout: float,
         on_silent: Callable[[int, float, str], None],
         interval: float = 0.5,
+        processes: tuple[int, int] | None = None,
     ):
+        """``processes``: (this process's index, their count); the runtime's by default."""
         self.exchange, self.timeout, self.on_silent = exchange, timeout, on_silent
         self.interval = min(interval, timeout / 4)
-        self.me, self.n = distributed.process_index(), distributed.process_count()
+        if processes is None:
+            processes = (distributed.process_index(), distributed.process_count())
+        self.me, self.n = processes
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dspark-watchdog", daemon=True)
 
@@ -117,7 +121,13 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
+        """Stop beating and watching, and wait for a store call in flight to return:
+        called before the processes leave the distributed runtime, where a call still in
+        flight when process 0 shuts the coordination service down aborts process 0 (CI,
+        jax 0.10.2: ``terminate called after throwing an instance of ''`` at exit)."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.timeout)
 
     def _run(self) -> None:
         seen: dict[int, tuple[str | None, float]] = {}
