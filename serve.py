@@ -560,12 +560,23 @@ def load_for_serving(args, drafter_dir):
         if mesh.shape["data"] > 1:
             layout = f"data {mesh.shape['data']} × {layout}"
         where = f" onto {mesh.size} devices ({layout})"
+    from dspark_jax import distributed
+
+    if distributed.process_count() > 1:  # each host reads its own copy of the weights
+        from dspark_jax.models.fingerprint import checkpoint_files_fingerprint as files
+
+        distributed.check_same(
+            "checkpoints",
+            {
+                "target files": files(args.target),
+                "drafter files": drafter_dir and files(drafter_dir),
+            },
+        )
     say(f"loading {what} ({dtype}){where}")
     t0 = time.perf_counter()
     models = load_models(args.target, drafter_dir, dtype=args.dtype, mesh=mesh)
     say(f"loaded in {time.perf_counter() - t0:.1f}s")
     choose_max_len(args, models)
-    from dspark_jax import distributed
 
     # Chosen from free device memory, which the processes may see differently: process
     # 0's choice holds for all of them.

@@ -125,6 +125,15 @@ def initialize(
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if heartbeat_timeout is not None:  # how long the coordination service waits for a
         settings["heartbeat_timeout_seconds"] = heartbeat_timeout  # silent process
+    # Every process must compile the same program, down to its debug metadata: jax 0.12's
+    # CPU collectives only meet across processes when the modules' fingerprints match, and
+    # by default each op's location carries the whole Python stack it was traced from, which
+    # differs where one process traces in a thread (the server's leader) and another in its
+    # main thread (a follower); they then wait on each other forever. Only the innermost
+    # frame (the model code, the same everywhere) is kept. Shown by a two-process repro:
+    # the same jitted sum, called from stacks of different depth, hangs with full
+    # tracebacks and completes without.
+    jax.config.update("jax_include_full_tracebacks_in_locations", False)
     jax.distributed.initialize(initialization_timeout=initialization_timeout, **settings)
     # Before anything compiles: a multi-process CPU run would hang on a cached executable's
     # collectives (compile_cache's docstring says why).

@@ -202,7 +202,12 @@ def place_batch(batch, mesh: Mesh):
 
 def place_host_tree(tree, shardings):
     """Host arrays (numpy) placed on their ``shardings``, each device given only its
-    slice (works for a mesh spanning several hosts)."""
+    slice (works for a mesh spanning several hosts). Every process must pass the same
+    values: unlike ``jax.device_put``, nothing checks it, because across processes that
+    check is a collective (an all-gather of the value, per call) and a collective
+    dispatched outside the decoding loop's order can leave processes waiting on each
+    other (a two-process server hung in warm-up on jax 0.12 until its prefill inputs came
+    through here)."""
 
     def place(x, s):
         x = np.asarray(x)

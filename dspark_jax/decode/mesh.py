@@ -161,6 +161,8 @@ def place_params(params, layout, what: str):
     the first difference named, not with a JAX traceback."""
     import jax
 
+    from dspark_jax.sharding import place_host_tree
+
     shapes, shardings = layout
     if jax.tree_util.tree_structure(shapes) != jax.tree_util.tree_structure(params):
         raise ValueError(
@@ -176,6 +178,8 @@ def place_params(params, layout, what: str):
             )
         if getattr(x, "sharding", None) == s:
             return x
+        if not isinstance(x, jax.Array):  # host weights: no cross-process check (see there)
+            return place_host_tree(np.asarray(x), s)
         return jax.device_put(x, s)
 
     return jax.tree_util.tree_map_with_path(one, params, shapes, shardings)

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.sharding import place_host_tree
+
 Array = jax.Array
 
 __all__ = ["profile_step_fns"]
@@ -57,9 +59,11 @@ def profile_step_fns(
     def make(k):
         # K drafts spread over each replica's slots (sizes differ by at most one).
         one = np.minimum(k // rl + (np.arange(rl) < k % rl), g).astype(np.int32)
-        fill = jnp.asarray(np.tile(one, dec.replicas))
-        if dec.mesh is not None:
-            fill = jax.device_put(fill, dec._state_shardings.seq_len)
+        fill = np.tile(one, dec.replicas)
+        if dec.mesh is None:
+            fill = jnp.asarray(fill)
+        else:
+            fill = place_host_tree(fill, dec._state_shardings.seq_len)
 
         def step():
             st = holder[0]

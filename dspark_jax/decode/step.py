@@ -96,7 +96,7 @@ from dspark_jax.ops.paged_attention import (
     pages_per_sequence,
     resolve_backend,
 )
-from dspark_jax.sharding import logical_to_spec
+from dspark_jax.sharding import logical_to_spec, place_host_tree
 
 Array = jax.Array
 
@@ -277,7 +277,7 @@ class SpeculativeDecoder:
         if self.mesh is not None:  # beside the parameters, replicated
             from jax.sharding import NamedSharding, PartitionSpec
 
-            arr = jax.device_put(arr, NamedSharding(self.mesh, PartitionSpec()))
+            arr = place_host_tree(np.asarray(arr), NamedSharding(self.mesh, PartitionSpec()))
         if arr.ndim != 1 or arr.shape[0] < self.table_len:
             raise ValueError(
                 f"SPS table has shape {arr.shape}; need a 1-D table with >= {self.table_len} "
@@ -430,7 +430,7 @@ class SpeculativeDecoder:
             if given.shape != (d,):
                 raise ValueError(f"replica_budgets needs {d} entries (one per data replica)")
             limits = np.minimum(given, budget)
-        return jax.device_put(limits, NamedSharding(self.mesh, P(replicas_lib.DATA)))
+        return place_host_tree(limits, NamedSharding(self.mesh, P(replicas_lib.DATA)))
 
     def mesh_context(self):
         """The context every executable of a meshed decoder is traced and run in: the mesh
@@ -600,17 +600,18 @@ class SpeculativeDecoder:
                 a = np.where(pad[:, None], NULL_PAGE, a)
             grouped.append(a)
         data = NamedSharding(self.mesh, P(replicas_lib.DATA))
-        grouped = tuple(jax.device_put(np.asarray(a), data) for a in grouped)
+        grouped = tuple(place_host_tree(np.asarray(a), data) for a in grouped)
         with self.mesh_context():
             return self._prefill(self._params, state, grouped, self._put(back))
 
     def _put(self, a):
         """A host array as a prefill input: on a mesh over several processes, put whole on
-        every device explicitly (the same value on every process); else ``jnp.asarray``."""
+        every device explicitly (every process holds the same value; ``place_host_tree``
+        says why not ``jax.device_put``); else ``jnp.asarray``."""
         if self.spans_processes and not isinstance(a, jax.Array):
             from jax.sharding import NamedSharding
 
-            return jax.device_put(np.asarray(a), NamedSharding(self.mesh, P()))
+            return place_host_tree(np.asarray(a), NamedSharding(self.mesh, P()))
         return jnp.asarray(a)
 
     def _prefill_impl(self, params, state, rows):

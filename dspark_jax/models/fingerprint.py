@@ -17,7 +17,13 @@ import numpy as np
 
 from dspark_jax.distributed import to_host
 
-__all__ = ["FINGERPRINT_ROWS", "fingerprint_from_sample", "sample_stride", "weights_fingerprint"]
+__all__ = [
+    "FINGERPRINT_ROWS",
+    "checkpoint_files_fingerprint",
+    "fingerprint_from_sample",
+    "sample_stride",
+    "weights_fingerprint",
+]
 
 FINGERPRINT_ROWS = 1024  # embedding rows hashed, evenly strided over the vocabulary
 
@@ -62,3 +68,35 @@ def weights_fingerprint(params: Mapping) -> str:
     # process holds only some rows, the sample is gathered (dspark_jax.distributed).
     rows = to_host(embedding, slice(None, None, sample_stride(shape[0])))
     return fingerprint_from_sample(shape, rows, to_host(norm))
+
+
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".msgpack", ".npz", ".json")
+FILE_SAMPLES, SAMPLE_BYTES = 16, 1 << 16  # per file: 16 windows of 64 KiB, both ends included
+
+
+def checkpoint_files_fingerprint(path) -> str:
+    """16 hex digits identifying the checkpoint *files* in directory ``path`` as this
+    host sees them: their names, sizes and SHA-256 over 16 evenly spaced 64 KiB windows
+    of each (the first and last included). Every process of a multi-host server reads its
+    own copy of the weights, and each holds only its devices' share once loaded, so a host
+    with another checkpoint can only be caught from its files: the processes compare this
+    at start (``serve.py``). A few MiB are read whatever the checkpoint's size."""
+    import os
+
+    h = hashlib.sha256()
+    names = sorted(
+        name
+        for name in os.listdir(path)
+        if name.endswith(WEIGHT_FILE_SUFFIXES) and os.path.isfile(os.path.join(path, name))
+    )
+    for name in names:
+        file = os.path.join(path, name)
+        size = os.path.getsize(file)
+        h.update(f"{name}\0{size}\0".encode())
+        last = max(0, size - SAMPLE_BYTES)
+        starts = sorted({last * i // (FILE_SAMPLES - 1) for i in range(FILE_SAMPLES)})
+        with open(file, "rb") as f:
+            for start in starts:
+                f.seek(start)
+                h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()[:16]
