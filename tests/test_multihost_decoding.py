@@ -188,17 +188,25 @@ def test_two_process_server_answers_as_one_process_and_drains_on_sigterm(tmp_pat
     assert "dspark_compilations_after_warmup 0.0" in metrics
 
 
-def test_a_follower_with_other_settings_fails_at_start_naming_them(tmp_path):
+def _run_each(cmds: list[list[str]], tmp_path, what: str):
+    """One process per command, as the processes of one run (process ``i`` runs
+    ``cmds[i]``); waits for all and returns them with their stderr."""
     env = dict(multiprocess_env(4), XDG_CACHE_HOME=str(tmp_path))
-    port, coordinator = _free_port(), _free_port()
-    procs = []
-    for i, slots in enumerate(("2", "4")):
-        cmd = _serve_cmd(port)
-        cmd[cmd.index("--slots") + 1] = slots
-        cmd += ["--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2",
-                "--process-id", str(i)]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
-    errs = _wait_all(procs, 300, "the mismatched start")
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(cmd + ["--coordinator", coordinator, "--num-processes", str(len(cmds)),
+                                "--process-id", str(i)],
+                         env=env, stderr=subprocess.PIPE, text=True)
+        for i, cmd in enumerate(cmds)
+    ]  # fmt: skip
+    return procs, _wait_all(procs, 300, what)
+
+
+def test_a_follower_with_other_settings_fails_at_start_naming_them(tmp_path):
+    port = _free_port()
+    cmds = [_serve_cmd(port) for _ in range(2)]
+    cmds[1][cmds[1].index("--slots") + 1] = "4"
+    procs, errs = _run_each(cmds, tmp_path, "the mismatched start")
     for i, (p, err) in enumerate(zip(procs, errs)):
         assert p.returncode == 2, f"process {i}:\n{err[-3000:]}"
         assert "different serving settings: engine num_slots" in err, err[-2000:]
@@ -217,16 +225,10 @@ def test_a_follower_with_other_weights_fails_at_start_naming_them(tmp_path):
         last = f.read(4)
         f.seek(-4, os.SEEK_END)
         f.write(bytes(b ^ 0x55 for b in last))
-    env = dict(multiprocess_env(4), XDG_CACHE_HOME=str(tmp_path))
-    port, coordinator = _free_port(), _free_port()
-    procs = []
-    for i, target in enumerate((REPO / "assets" / "target", other)):
-        cmd = _serve_cmd(port, "--target", str(target),
-                         "--drafter", str(REPO / "assets" / "drafters" / "dspark"))  # fmt: skip
-        cmd += ["--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2",
-                "--process-id", str(i)]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
-    errs = _wait_all(procs, 300, "the start with other weights")
+    port, drafter = _free_port(), str(REPO / "assets" / "drafters" / "dspark")
+    cmds = [_serve_cmd(port, "--target", str(target), "--drafter", drafter)
+            for target in (REPO / "assets" / "target", other)]  # fmt: skip
+    procs, errs = _run_each(cmds, tmp_path, "the start with other weights")
     for i, (p, err) in enumerate(zip(procs, errs)):
         assert p.returncode == 2, f"process {i}:\n{err[-3000:]}"
         assert "different checkpoints: target files: process" in err, err[-2000:]
