@@ -21,7 +21,6 @@ import argparse
 import concurrent.futures
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,12 +30,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, REPO)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve_cmd(port: int, slots: int) -> list[str]:
@@ -69,20 +62,11 @@ def _load(url: str, requests: int, tokens: int) -> float:
 
 
 def _run_server(procs_cmd, env, url, requests, tokens) -> dict:
-    import httpx
+    from dspark_jax.testing import wait_until_healthy
 
     procs = procs_cmd()
     try:
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in procs):
-                raise RuntimeError("a server process exited during start-up")
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_until_healthy(url, procs, timeout=900)
         _load(url, 2, tokens)  # first requests after warm-up, untimed
         before = _metrics(url)
         wall = _load(url, requests, tokens)
@@ -112,10 +96,10 @@ def _run_server(procs_cmd, env, url, requests, tokens) -> dict:
 
 
 def serving_arms(slots: int, requests: int, tokens: int) -> dict:
-    from dspark_jax.testing import launch_processes, multiprocess_env
+    from dspark_jax.testing import free_port, launch_processes, multiprocess_env
 
     arms = {}
-    port = _free_port()
+    port = free_port()
     env1 = dict(os.environ, JAX_PLATFORMS="cpu")
     env1["XLA_FLAGS"] = " ".join(
         [f for f in env1.get("XLA_FLAGS", "").split() if "device_count" not in f]
@@ -125,10 +109,10 @@ def serving_arms(slots: int, requests: int, tokens: int) -> dict:
         lambda: [subprocess.Popen(_serve_cmd(port, slots), env=env1, stderr=subprocess.DEVNULL)],
         env1, f"http://127.0.0.1:{port}", requests, tokens,
     )  # fmt: skip
-    port = _free_port()
+    port = free_port()
     env2 = multiprocess_env(4)
     arms["2 processes x 4 devices"] = _run_server(
-        lambda: launch_processes(_serve_cmd(port, slots), 2, _free_port(), env2,
+        lambda: launch_processes(_serve_cmd(port, slots), 2, free_port(), env2,
                                  stderr=subprocess.DEVNULL),
         env2, f"http://127.0.0.1:{port}", requests, tokens,
     )  # fmt: skip
@@ -143,8 +127,9 @@ def turn_sizes(slots: int = 64, repeats: int = 20) -> dict:
     from dspark_jax.decode.step import request_key_data
     from dspark_jax.engine.core import CoreRequest
     from dspark_jax.engine.lockstep import Exchange, admission, encode
+    from dspark_jax.testing import free_port
 
-    jax.distributed.initialize(f"127.0.0.1:{_free_port()}", num_processes=1, process_id=0)
+    jax.distributed.initialize(f"127.0.0.1:{free_port()}", num_processes=1, process_id=0)
     ex = Exchange()
     rng = np.random.default_rng(0)
     out = {}

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
+    "free_port",
+    "wait_until_healthy",
     "kill_and_resume",
     "xla_compilations",
     "one_device_subprocess_env",
@@ -337,3 +339,34 @@ def launch_processes(cmd: list[str], n: int, port: int, env: dict, **popen) -> l
     return [
         subprocess.Popen(cmd + extra + ["--process-id", str(i)], env=env, **popen) for i in range(n)
     ]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a server or coordinator a
+    test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(url: str, procs, timeout: float = 600.0) -> None:
+    """Wait for ``url``'s ``/health`` to answer 200 (a started ``serve.py``: compiling
+    its shapes takes minutes on 2 loaded CPU cores). Raises ``AssertionError`` naming why
+    if a process of ``procs`` exits first (with its stderr) or the wait runs out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for i, p in enumerate(procs):
+            if p.poll() is not None:
+                err = p.communicate()[1] or ""
+                raise AssertionError(f"process {i} exited with {p.returncode}:\n{err[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{url} was not healthy within {timeout:.0f} s")

@@ -13,12 +13,11 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 
-from dspark_jax.testing import one_device_subprocess_env
+from dspark_jax.testing import free_port, one_device_subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "byo_qwen3.sh")
@@ -63,12 +62,6 @@ def test_guide_settings_table_has_the_script_values():
         assert row in guide, f"{GUIDE} should have the row {row!r}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_walkthrough_end_to_end_on_a_tiny_random_qwen3(tmp_path):
     env = one_device_subprocess_env(tmp_path / "jax_cache")
     # `python` in the script is this interpreter (CI: the leg's virtual environment).
@@ -83,7 +76,7 @@ def test_walkthrough_end_to_end_on_a_tiny_random_qwen3(tmp_path):
     have_torch = importlib.util.find_spec("torch") is not None
     assert info["writer"] == ("transformers" if have_torch else "save_hf")
 
-    env.update(MODEL=str(model), WORK=str(work), SMALL="1", PORT=str(_free_port()))
+    env.update(MODEL=str(model), WORK=str(work), SMALL="1", PORT=str(free_port()))
     start = time.monotonic()
     run = subprocess.run(
         ["bash", SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900

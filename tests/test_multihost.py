@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -23,7 +22,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.config import load_config
-from dspark_jax.testing import stdlib_corpus
+from dspark_jax.testing import free_port, stdlib_corpus
 from dspark_jax.train import distributed as dist
 from dspark_jax.train import read_metrics, train
 
@@ -53,12 +52,6 @@ def _overrides(corpus):
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_two_processes(corpus, workdir: str, cache_dir: str) -> None:
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(
@@ -68,7 +61,7 @@ def _run_two_processes(corpus, workdir: str, cache_dir: str) -> None:
     env["JAX_PLATFORMS"] = "cpu"
     env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "train.py", "--config", TINY, "--workdir", workdir, "--no-progress",
            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]  # fmt: skip
     cmd += [f"--config.{k}={v}" for k, v in _overrides(corpus)]
@@ -193,7 +186,7 @@ def _run_collective_program(cache_dir: str, processes: int) -> list[str]:
     env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache_dir,
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")  # fmt: skip
-    port = _free_port()
+    port = free_port()
     args = [[]] if processes == 1 else [[f"127.0.0.1:{port}", str(i)] for i in range(2)]
     procs = [
         subprocess.Popen(

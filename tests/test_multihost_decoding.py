@@ -23,7 +23,6 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,17 +32,11 @@ import openai
 import pytest
 
 from dspark_jax import generate
-from dspark_jax.testing import launch_processes, multiprocess_env
+from dspark_jax.testing import free_port, launch_processes, multiprocess_env, wait_until_healthy
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SERVE = str(REPO / "serve.py")
 PROMPTS = REPO.parent / "shared" / "eval_datasets" / "humaneval.jsonl"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_all(procs, timeout: float, what: str) -> list[str]:
@@ -82,7 +75,7 @@ def test_generate_on_two_processes_equals_one_process(tmp_path, prompts_file):
     generate.run(generate.parse_args(args + ["--out", str(one)]))  # this process: 8 devices
     procs = launch_processes(
         [sys.executable, "-m", "dspark_jax.generate", *args, "--out", str(two)], 2,
-        _free_port(), multiprocess_env(4), cwd=REPO, stdout=subprocess.PIPE,
+        free_port(), multiprocess_env(4), cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     errs = _wait_all(procs, 400, "the two-process generate run")
@@ -96,20 +89,6 @@ def _serve_cmd(port: int, *extra: str) -> list[str]:
     return [sys.executable, SERVE, "--tensor", "8", "--scheduler", "fixed", "--slots", "2",
             "--max-len", "64", "--prefill-batch", "1", "--verify-buckets", "14",
             "--no-compile-cache", "--port", str(port), *extra]  # fmt: skip
-
-
-def _wait_healthy(url: str, procs, timeout: float = 400) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for i, p in enumerate(procs):
-            assert p.poll() is None, f"process {i} exited:\n{p.communicate()[1][-3000:]}"
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    pytest.fail(f"the server was not healthy within {timeout} s")
 
 
 def _ask_everything(url: str) -> dict:
@@ -145,23 +124,23 @@ def _ask_everything(url: str) -> dict:
 
 def test_two_process_server_answers_as_one_process_and_drains_on_sigterm(tmp_path):
     env1 = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "one"))  # 8 fake devices
-    port = _free_port()
+    port = free_port()
     one = subprocess.Popen(_serve_cmd(port), env=env1, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}", [one])
+        wait_until_healthy(f"http://127.0.0.1:{port}", [one])
         want = _ask_everything(f"http://127.0.0.1:{port}")
     finally:
         one.send_signal(signal.SIGTERM)
         one.communicate(timeout=60)
 
-    port = _free_port()
+    port = free_port()
     env = dict(multiprocess_env(4), XDG_CACHE_HOME=str(tmp_path / "two"))
-    procs = launch_processes(_serve_cmd(port, "--peer-timeout", "20"), 2, _free_port(), env,
+    procs = launch_processes(_serve_cmd(port, "--peer-timeout", "20"), 2, free_port(), env,
                              stderr=subprocess.PIPE, text=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     signalled = False
     try:
-        _wait_healthy(url, procs)
+        wait_until_healthy(url, procs)
         got = _ask_everything(url)
         metrics = httpx.get(url + "/metrics", timeout=10).text
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -192,7 +171,7 @@ def _run_each(cmds: list[list[str]], tmp_path, what: str):
     """One process per command, as the processes of one run (process ``i`` runs
     ``cmds[i]``); waits for all and returns them with their stderr."""
     env = dict(multiprocess_env(4), XDG_CACHE_HOME=str(tmp_path))
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(cmd + ["--coordinator", coordinator, "--num-processes", str(len(cmds)),
                                 "--process-id", str(i)],
@@ -203,7 +182,7 @@ def _run_each(cmds: list[list[str]], tmp_path, what: str):
 
 
 def test_a_follower_with_other_settings_fails_at_start_naming_them(tmp_path):
-    port = _free_port()
+    port = free_port()
     cmds = [_serve_cmd(port) for _ in range(2)]
     cmds[1][cmds[1].index("--slots") + 1] = "4"
     procs, errs = _run_each(cmds, tmp_path, "the mismatched start")
@@ -225,7 +204,7 @@ def test_a_follower_with_other_weights_fails_at_start_naming_them(tmp_path):
         last = f.read(4)
         f.seek(-4, os.SEEK_END)
         f.write(bytes(b ^ 0x55 for b in last))
-    port, drafter = _free_port(), str(REPO / "assets" / "drafters" / "dspark")
+    port, drafter = free_port(), str(REPO / "assets" / "drafters" / "dspark")
     cmds = [_serve_cmd(port, "--target", str(target), "--drafter", drafter)
             for target in (REPO / "assets" / "target", other)]  # fmt: skip
     procs, errs = _run_each(cmds, tmp_path, "the start with other weights")
@@ -239,14 +218,14 @@ def test_a_follower_with_other_weights_fails_at_start_naming_them(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_a_lost_follower_ends_the_leader_within_the_bound(tmp_path, how):
-    port = _free_port()
+    port = free_port()
     env = dict(multiprocess_env(4), XDG_CACHE_HOME=str(tmp_path))
     timeout = 5.0
     procs = launch_processes(_serve_cmd(port, "--peer-timeout", str(timeout)), 2,
-                             _free_port(), env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                             free_port(), env, stderr=subprocess.PIPE, text=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, procs)
+        wait_until_healthy(url, procs)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
                                timeout=60)  # fmt: skip
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -290,13 +269,13 @@ def test_a_lost_follower_ends_the_leader_within_the_bound(tmp_path, how):
 def test_a_lost_leader_ends_the_follower_within_the_bound(tmp_path):
     """SIGKILL to process 0 (it hosts the coordination service): the follower's store
     calls fail (or its collective does), and it exits non-zero within the bound."""
-    port = _free_port()
+    port = free_port()
     env = dict(multiprocess_env(4), XDG_CACHE_HOME=str(tmp_path))
     timeout = 5.0
     procs = launch_processes(_serve_cmd(port, "--peer-timeout", str(timeout)), 2,
-                             _free_port(), env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                             free_port(), env, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}", procs)
+        wait_until_healthy(f"http://127.0.0.1:{port}", procs)
         t0 = time.monotonic()
         procs[0].send_signal(signal.SIGKILL)
         try:

@@ -9,10 +9,8 @@ import concurrent.futures
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
@@ -21,16 +19,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import serve  # noqa: E402
 from dspark_jax.convert.loading import load_target  # noqa: E402
 from dspark_jax.decode.autoregressive import generate as ar_generate  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dspark_jax.testing import free_port, wait_until_healthy  # noqa: E402
 
 
 def test_serve_on_data_replicas_of_a_tensor_mesh_answers_the_openai_client(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))  # 8 fake devices: conftest's flags
     cmd = [sys.executable, serve.__file__, "--data", "2", "--tensor", "4", "--scheduler", "fixed"]
     cmd += ["--slots", "2", "--max-len", "96", "--port", str(port)]
@@ -38,15 +31,7 @@ def test_serve_on_data_replicas_of_a_tensor_mesh_answers_the_openai_client(tmp_p
     url = f"http://127.0.0.1:{port}"
     signalled = False
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        assert proc.poll() is None, proc.communicate()[1]
+        wait_until_healthy(url, [proc])  # a request before then gets 503 (warming up)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         prompt = "def fibonacci(n):\n"
         # Both at once: one on each replica (the least-loaded one takes the second).
