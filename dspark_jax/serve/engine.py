@@ -244,8 +244,9 @@ class Engine(Service):
         cfg = self.config
         settings = {
             "target config": json.loads(target.config.to_json()),
-            # Shapes and dtypes, not values: a gather of sampled weights across processes
-            # hung on jax 0.12.1's CPU backend here (the files' paths may differ by host).
+            # Shapes and dtypes; the values were compared before loading, from each host's
+            # checkpoint files (serve.load_for_serving: a gathered sample would be the
+            # same mixed sample on every process).
             "target parameters": _tree_signature(target_params),
             "drafter": None if drafter is None else dataclasses.asdict(drafter.config),
             "tokenizer vocabulary": tokenizer.vocab_size,
