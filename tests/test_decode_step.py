@@ -3,6 +3,7 @@ compile-once, limits and errors, on a tiny random target (vocabulary 24)."""
 
 import collections
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -108,14 +109,19 @@ def _exact_first3(model, params, temperature, top_k, top_p):
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def _sample_first3(dec, waves, temperature, top_k, top_p, budget=None, buckets=None, coupled=False):
+def _sample_first3(
+    dec, waves, temperature, top_k, top_p, budget=None, buckets=None, coupled=False,
+    plain_when=None,
+):  # fmt: skip
     """Counts of the first 3 generated tokens over ``waves`` × R slots, all on PROMPT, and
     the verify lengths admitted by each wave's first round.
 
     Each request may generate γ + 2 = 4 tokens, so the first round (after the prefill's
     token) may admit every length 0..γ: multi-draft rejection sampling is what the first
     three tokens' distribution is checked through. ``coupled``: position-keyed requests,
-    each with its own seed (a coupled slot's key never advances by itself)."""
+    each with its own seed (a coupled slot's key never advances by itself).
+    ``plain_when(tokens)``: run a plain round instead when it returns True for the tokens
+    the wave has emitted so far (a rule on earlier rounds only)."""
     r = dec.config.num_slots
     state = dec.init_state(seed=11)
     counts, lengths = collections.Counter(), collections.Counter()
@@ -145,14 +151,17 @@ def _sample_first3(dec, waves, temperature, top_k, top_p, budget=None, buckets=N
         first_round = True
         while bool(np.any(np.asarray(state.active))):
             active = np.asarray(state.active)
-            if buckets is not None:  # synchronous two-phase path
+            plain = plain_when is not None and plain_when([t for s in seqs for t in s])
+            if plain:
+                state, out = dec.plain_round(state)
+            elif buckets is not None:  # synchronous two-phase path
                 state, plan = dec.plan(state)
                 need = int(np.asarray(plan.lengths).sum())
                 state, out = dec.commit(state, plan, next(k for k in buckets if k >= need))
             else:
                 state, out = dec.round(state, budget)
             out = jax.device_get(out)
-            if first_round:
+            if first_round and not plain:  # the first drafting round
                 lengths.update(int(v) for v, a in zip(out.verified, active) if a)
                 first_round = False
             for s in range(r):
@@ -665,3 +674,68 @@ def test_batched_prefill_with_padding_rows_equals_one_at_a_time(target):
     np.testing.assert_array_equal(ctx_b, ctx_s)
     np.testing.assert_array_equal(batched.page_table, single.page_table)
     assert not bool(batched.active[1]) and int(batched.seq_len[1]) == 0  # slot 1 untouched
+
+
+# --------------------------------------------------------------------------------------
+# Plain rounds (draft-aware policy, decode.policy): the target alone, the drafter idle
+
+
+def _greedy_rounds(dec, prompt, kinds):
+    """Prefill ``prompt`` into slot 0 (greedy, room for 40 tokens) and run a round of each
+    kind (``"plain"`` or ``"draft"``); returns the state and the generated tokens."""
+    state = dec.init_state()
+    padded = np.array([prompt + [0] * (16 - len(prompt))])
+    state, pre = dec.prefill(
+        state, np.array([0]), padded, np.array([len(prompt)]), np.array([40]),
+        np.zeros(1, np.float32), np.zeros(1, np.int32), np.ones(1, np.float32),
+    )  # fmt: skip
+    tokens = [int(pre.first_token[0])]
+    for kind in kinds:
+        state, out = dec.plain_round(state) if kind == "plain" else dec.round(state)
+        out = jax.device_get(out)
+        tokens += [int(x) for x in out.tokens[0, : out.num_emitted[0]]]
+        if kind == "plain":  # the anchor alone: one token, nothing drafted or verified
+            assert out.num_emitted[0] == 1 and out.verified[0] == 0
+            assert not out.survival.any()
+    return state, tokens
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_plain_rounds_keep_the_drafter_context_current(target, kind):
+    """Plain rounds interleaved with drafting ones: greedy output is still autoregressive
+    decoding, and the drafter's context after them is what a prefill of the same committed
+    sequence builds: the next draft (tokens, confidences, EAGLE-3's query state) is the
+    same as if every committed token had come from a prefill. The plain round compiles
+    once and the drafter is not in it."""
+    model, params = target
+    drafter, dparams = _drafter(kind)
+    cfg = StepConfig(num_slots=2, max_len=48)
+    dec = SpeculativeDecoder(model, params, drafter, dparams, cfg)
+    prompt = PROMPTS[1]
+    kinds = ["plain", "draft", "plain", "plain", "draft", "plain"]
+    state, tokens = _greedy_rounds(dec, prompt, kinds)
+    ref = ar_generate(model, params, [prompt], len(tokens), max_len=48).tokens[0]
+    assert tokens == ref, kind
+    assert dec._plain._cache_size() == 1
+    # The drafter's forward is not in it: fewer matmuls than the K = 0 drafting round.
+    plain = str(jax.make_jaxpr(dec._plain_impl)(dec._params, state)).count("dot_general")
+    k0 = str(jax.make_jaxpr(dec._round_impl, static_argnums=2)(dec._params, state, 0))
+    assert plain < k0.count("dot_general"), (plain, k0.count("dot_general"))
+
+    # The same committed sequence, prefilled: prompt + every token but the anchor.
+    seq_len = int(state.seq_len[0])
+    committed = (prompt + tokens)[:seq_len]
+    fresh = SpeculativeDecoder(model, params, drafter, dparams, cfg)
+    other = fresh.init_state()
+    padded = np.array([committed + [0] * (48 - len(committed))])
+    other, pre = fresh.prefill(
+        other, np.array([0]), padded, np.array([seq_len]), np.array([40]),
+        np.zeros(1, np.float32), np.zeros(1, np.int32), np.ones(1, np.float32),
+    )  # fmt: skip
+    assert int(pre.first_token[0]) == int(state.anchor[0]) == tokens[-1]
+    if dec.next_token_states:
+        chex.assert_trees_all_close(state.ctx_query[0], other.ctx_query[0], atol=1e-5)
+    _, plan = dec.plan(state)  # (donates the states)
+    _, want = fresh.plan(other)
+    np.testing.assert_array_equal(plan.draft_tokens[0], want.draft_tokens[0])
+    chex.assert_trees_all_close(plan.confidence[0], want.confidence[0], atol=1e-5)

@@ -20,10 +20,15 @@ from dspark_jax.sharding import LOGICAL_RULES
 
 Array = jax.Array
 
-__all__ = ["draft", "plan_step", "schedule"]
+__all__ = ["draft", "no_drafts", "plan_step", "schedule"]
 
 
-def plan_step(dec, params, state: DecodeState, budget: int, limit=None) -> tuple[DecodeState, Plan]:
+def plan_step(
+    dec, params, state: DecodeState, budget: int, limit=None, drafting: bool = True
+) -> tuple[DecodeState, Plan]:
+    """Draft and schedule. ``drafting=False`` (static): a *plain* round's plan, no drafter
+    call and no draft verified (``decode.policy``'s draft-aware rounds); the slots' streams
+    advance as in a drafting round, so a request's draws do not depend on the round kind."""
     c = dec.config
     # Each slot's stream: next key, draft draws, verification draws. Only active slots
     # advance, so a request's draws depend on its own rounds alone; coupled slots keep
@@ -37,12 +42,18 @@ def plan_step(dec, params, state: DecodeState, budget: int, limit=None) -> tuple
         jnp.swapaxes(dec._position_keys(state), 0, 1)[: dec.gamma],
         split_keys(draft_keys, dec.gamma),
     )
-    draft_tokens, draft_probs, conf, out = dec._draft(params, state, StepKeys(step_keys))
-    if out is not None and out.context is not None:
-        state = state._replace(ctx_feats=out.context)
+    if not drafting:
+        draft_tokens, draft_probs, _, _ = no_drafts(dec)
+        # No draft, no confidence: survival 0 says so to whoever reads the round's output.
+        conf = jnp.zeros(draft_tokens.shape, jnp.float32)
+        lengths = jnp.zeros(active.shape, jnp.int32)
+    else:
+        draft_tokens, draft_probs, conf, out = dec._draft(params, state, StepKeys(step_keys))
+        if out is not None and out.context is not None:
+            state = state._replace(ctx_feats=out.context)
+        limited = () if limit is None else (limit,)  # a data replica's own budget
+        lengths = dec._schedule(jnp.cumprod(conf, axis=1), active, budget, params[2], *limited)
     survival = jnp.cumprod(conf, axis=1)
-    limited = () if limit is None else (limit,)  # a data replica's own budget
-    lengths = dec._schedule(survival, active, budget, params[2], *limited)
     # Cap by cache room and max_new so no write goes past max_len (lengths only).
     room = jnp.maximum(c.max_len - 2 - state.seq_len, 0)
     lengths = jnp.minimum(lengths, jnp.minimum(room, jnp.maximum(state.remaining - 1, 0)))
@@ -61,11 +72,7 @@ def plan_step(dec, params, state: DecodeState, budget: int, limit=None) -> tuple
 def draft(dec, params, state, key):
     g, r = dec.gamma, dec.replica_slots  # per replica: the step runs on its block
     if dec.drafter is None:
-        # No drafts are ever verified (l = 0); a uniform p_d keeps the shapes of the
-        # sampling verifier, which only draws the bonus token from p_t then.
-        v = dec.target.config.vocab_size
-        probs = jnp.full((r, g, v), 1.0 / v, jnp.float32)
-        return jnp.zeros((r, g), jnp.int32), probs, jnp.ones((r, g), jnp.float32), None
+        return no_drafts(dec)
     tp, dp = params[0], params[1]
     context = DraftContext(
         state.ctx_feats,  # the draft layers' paged K/V
@@ -96,6 +103,15 @@ def draft(dec, params, state, key):
         z = out.confidence_logits.astype(jnp.float32)
         conf = jax.nn.sigmoid(z / dec.sts_temperatures + dec.sts_biases)
     return out.tokens.astype(jnp.int32), out.probs, conf, out
+
+
+def no_drafts(dec):
+    """Placeholder drafts of a round that verifies none (l = 0): no drafter, or a plain
+    round. A uniform p_d keeps the shapes of the sampling verifier, which only draws the
+    bonus token from p_t then."""
+    g, r, v = dec.gamma, dec.replica_slots, dec.target.config.vocab_size
+    probs = jnp.full((r, g, v), 1.0 / v, jnp.float32)
+    return jnp.zeros((r, g), jnp.int32), probs, jnp.ones((r, g), jnp.float32), None
 
 
 def schedule(dec, survival, active, budget, sps_table, limit=None):

@@ -22,6 +22,21 @@ replica's own slots (each replica is one server of Algorithm 1); the round runs 
 largest of their buckets, each replica admitting only its own budget, and the rows a
 replica computes beyond its own bucket are the round's *padding*.
 
+Draft-aware rounds (``topk`` and ``prefix``, on by default; our addition, not the
+paper's): before each round the policy compares the best expected throughput of a
+drafting round, ``Θ_draft = max_K τ(K)·SPS(R + K)`` on the newest survivals it has read
+(the same search as top-K's budget), with a *plain* round's, ``Θ_plain = n·SPS_plain``
+(``n`` occupied slots, each emitting one token; the plain round is profiled as its own
+entry of the SPS table). When drafting cannot pay it runs the plain round
+(``SpeculativeDecoder.plain_round``: the target alone, the drafter's context still
+written). Survivals come only from drafting rounds, so a run of plain rounds is broken by
+a *probe*, a drafting round after ``gap`` plain ones; a probe whose survivals still say
+"plain" doubles the gap (up to ``probe_gap[1]``), and any round that pays resets it to
+``probe_gap[0]``: speculation is never starved for more than ``probe_gap[1]`` rounds, and
+where it does not pay the probes cost at most one drafting round in ``probe_gap[1] + 1``.
+Every input of the decision is from rounds at least two back (what a pipelined host has
+read), never from the round it decides, so the rounds stay lossless (DESIGN §5.4).
+
 A host loop calls ``dispatch(state, occupied)`` for each round (``occupied``: which slots
 hold a request) and ``observe(index, survival, active)`` when it has read that round's
 output.
@@ -38,8 +53,16 @@ import numpy as np
 from dspark_jax.decode.step import SpeculativeDecoder
 from dspark_jax.sched import budget as budget_lib
 from dspark_jax.sched import sps as sps_lib
+from dspark_jax.sched.topk import best_budget
 
-__all__ = ["RoundPolicy", "default_buckets", "profile_decoder_sps"]
+__all__ = ["ROUND_KINDS", "RoundPolicy", "default_buckets", "profile_decoder_sps"]
+
+# What a round did: drafted (its budget from the scheduler), plain (drafting would not pay
+# on the newest survivals), or a probe (a drafting round run to refresh those survivals).
+ROUND_KINDS = ("draft", "plain", "probe")
+# Plain rounds between probes: first 4, doubled after each probe that confirms plain, at
+# most 64 (an idle drafter costs at most 1 drafting round in 65 once the gap is at its top).
+DEFAULT_PROBE_GAP = (4, 64)
 
 
 def default_buckets(num_slots: int, gamma: int, count: int = 8) -> tuple[int, ...]:
@@ -56,12 +79,18 @@ def profile_decoder_sps(
     repeats: int = 5,
     warmup: int = 1,
     progress=None,
+    plain: bool | None = None,
 ) -> sps_lib.SPSTable:
     """Profile ``SPS(B)`` with the decoder's own compiled rounds (``B = R + K`` per bucket),
     through the JSON cache when ``cache_path`` is given, and install it in the decoder.
-    ``progress(budget, i, n)``: see ``sps.profile_sps``."""
+    ``progress(budget, i, n)``: see ``sps.profile_sps``. ``plain``: also time the plain
+    round (``SPSTable.plain_seconds``; None: when the decoder has a drafter)."""
     fns = decoder.profile_step_fns(budgets)
-    kw = dict(repeats=repeats, warmup=warmup, progress=progress)
+    # A decoder with a drafter also times its plain round (the draft-aware policy's arm).
+    if plain is None:
+        plain = decoder.drafter is not None
+    plain = decoder.plain_step_fn() if plain and decoder.drafter is not None else None
+    kw = dict(repeats=repeats, warmup=warmup, progress=progress, plain_fn=plain)
     if decoder.spans_processes:
         table = _profile_on_every_process(fns, cache_path, key, kw)
     elif cache_path is None:
@@ -84,7 +113,7 @@ def _profile_on_every_process(fns, cache_path, key, kw) -> sps_lib.SPSTable:
     leader = dist.process_index() == 0
     cached = None
     if leader and cache_path is not None:
-        cached = sps_lib.cached_table(cache_path, key, fns)
+        cached = sps_lib.cached_table(cache_path, key, fns, plain=kw["plain_fn"] is not None)
     hit = dist.broadcast_json("sps-cache-hit", None if cached is None else cached.to_json())
     if hit is not None:
         return sps_lib.SPSTable.from_json(hit)
@@ -95,9 +124,19 @@ def _profile_on_every_process(fns, cache_path, key, kw) -> sps_lib.SPSTable:
 
 
 class RoundPolicy:
-    """Verify buckets, the budget rule, two-phase mode and warm-up of one decoder."""
+    """Verify buckets, the budget rule, draft-aware rounds, two-phase mode and warm-up of
+    one decoder. ``plain_rounds``: run plain rounds when drafting cannot pay (default: for
+    ``topk`` and ``prefix``, the arms with survivals to decide on; it needs an SPS table
+    with the plain round's time, else every round drafts); ``probe_gap``: (first, most)
+    plain rounds between probes (module docstring)."""
 
-    def __init__(self, decoder: SpeculativeDecoder, buckets: Sequence[int] | None = None):
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        buckets: Sequence[int] | None = None,
+        plain_rounds: bool | None = None,
+        probe_gap: tuple[int, int] = DEFAULT_PROBE_GAP,
+    ):
         self.decoder = decoder
         cfg = decoder.config
         self.scheduler = cfg.scheduler if decoder.drafter is not None else "none"
@@ -114,6 +153,27 @@ class RoundPolicy:
                 )
             self.buckets = tuple(sorted(given | {full}))
         self.two_phase = self.scheduler == "prefix" and len(self.buckets) > 1
+        survivals = self.scheduler in ("topk", "prefix")
+        if plain_rounds and not survivals:
+            raise ValueError(
+                f"plain rounds are decided from survivals: they need scheduler 'topk' or "
+                f"'prefix' with a DSpark drafter; this decoder's is {self.scheduler!r}"
+            )
+        self.plain_rounds = survivals if plain_rounds is None else bool(plain_rounds)
+        lo, hi = (int(x) for x in probe_gap)
+        if not 1 <= lo <= hi:
+            raise ValueError(
+                f"probe_gap must be (first, most) with 1 <= first <= most; got {probe_gap}"
+            )
+        self.probe_gap = (lo, hi)
+        self._gap, self._streak = lo, 0
+        self._probe: int | None = None  # index of the newest probe, until its verdict
+        self._plain_indices: set[int] = set()  # dispatched plain rounds not yet observed
+        self.last_kind = "draft"  # what the last dispatched round did (ROUND_KINDS)
+        self.last_reason = ""  # why, in a few words
+        self.kind_counts = dict.fromkeys(ROUND_KINDS, 0)
+        # Survivals [R, γ] and occupancy of read drafting rounds, by index (plain rounds
+        # draft nothing, so they are never recorded here).
         self._observed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._next_index = 0
         self.last_wait_seconds = 0.0  # the last dispatch's wait for its plan (two-phase)
@@ -138,7 +198,8 @@ class RoundPolicy:
             counts = [int(occupied)]
         else:
             counts = [int(n) for n in np.asarray(occupied, bool).reshape(d, rl).sum(axis=1)]
-        old = self._observed.get(self._next_index - 2)
+        old = self._newest_observed()
+        old = None if old is None else old[1]
         sps = self._host_sps() if old is not None else None
         out = []
         for i in range(d):
@@ -149,6 +210,48 @@ class RoundPolicy:
                 last_active=None if old is None else old[1][block], sps_table=sps,
             ))  # fmt: skip
         return out
+
+    def _newest_observed(self):
+        """``(index, (survival, active))`` of the newest drafting round read among rounds
+        ``<= n − 2`` (``n``: the round about to be dispatched; a pipelined host has read
+        exactly those, so offline and serving decide alike), or None."""
+        ready = [i for i in self._observed if i <= self._next_index - 2]
+        return None if not ready else (max(ready), self._observed[max(ready)])
+
+    def _round_kind(self) -> str:
+        """Draft, plain or probe for the round about to be dispatched (module docstring).
+        Reads only survivals of rounds ``<= n − 2`` and the profiled SPS: never anything
+        of the round it decides."""
+        dec = self.decoder
+        if not self.plain_rounds or dec.plain_sps is None:
+            self.last_reason = "always drafts" if not self.plain_rounds else "no plain SPS"
+            return "draft"
+        newest = self._newest_observed()
+        if newest is None:
+            self.last_reason = "no survivals read yet"
+            return "draft"
+        index, (survival, active) = newest
+        sps, rl = self._host_sps(), dec.replica_slots
+        theta_draft = theta_plain = 0.0
+        for d in range(dec.replicas):  # each replica is one server of Algorithm 1
+            block = slice(d * rl, (d + 1) * rl)
+            if active[block].any():
+                theta_draft += best_budget(survival[block], sps, self.buckets, active[block])[1]
+                theta_plain += int(active[block].sum()) * dec.plain_sps
+        ratio = theta_draft / theta_plain if theta_plain else float("inf")
+        if ratio > 1.0:
+            self._gap, self._streak, self._probe = self.probe_gap[0], 0, None
+            self.last_reason = f"drafting pays: Θ_draft/Θ_plain = {ratio:.2f}"
+            return "draft"
+        if self._probe is not None and index >= self._probe:  # the probe says: still plain
+            self._gap, self._probe = min(2 * self._gap, self.probe_gap[1]), None
+        if self._streak >= self._gap:
+            self._streak, self._probe = 0, self._next_index
+            self.last_reason = f"probe after {self._gap} plain rounds"
+            return "probe"
+        self._streak += 1
+        self.last_reason = f"drafting would not pay: Θ_draft/Θ_plain = {ratio:.2f}"
+        return "plain"
 
     def _host_sps(self) -> np.ndarray | None:
         """The decoder's SPS table on the host, fetched once per installed table (never
@@ -168,6 +271,15 @@ class RoundPolicy:
         dec = self.decoder
         index = self._next_index
         self.last_wait_seconds = 0.0
+        kind = self._round_kind()
+        self.last_kind = kind
+        self.kind_counts[kind] += 1
+        if kind == "plain":
+            state, out = dec.plain_round(state)
+            self._plain_indices.add(index)
+            self.last_padding = 0
+            self._next_index += 1
+            return state, out, 0, index
         if self.two_phase:
             state, plan = dec.plan(state)
             t0 = time.perf_counter()
@@ -191,9 +303,13 @@ class RoundPolicy:
 
     def observe(self, index: int, survival, active) -> None:
         """Record round ``index``'s survivals ``[R, γ]`` and which slots were occupied
-        (host arrays, read from its output)."""
+        (host arrays, read from its output). A plain round's are not recorded: it drafted
+        nothing."""
+        if index in self._plain_indices:
+            self._plain_indices.discard(index)
+            return
         self._observed[index] = (np.asarray(survival), np.asarray(active, bool))
-        for i in [i for i in self._observed if i < index - 1]:
+        for i in sorted(self._observed)[:-2]:  # the newest two are all a decision reads
             del self._observed[i]
 
     # -- compilation and profiling -------------------------------------------------------
@@ -211,15 +327,20 @@ class RoundPolicy:
                 state, _ = dec.commit(state, plan, k)
             else:
                 state, _ = dec.round(state, k)
+        if self.plain_rounds:
+            state, _ = dec.plain_round(state)
         return state
 
     def profile_sps(self, **kw) -> sps_lib.SPSTable:
         """``profile_decoder_sps`` over this policy's buckets (installs the table)."""
-        table = profile_decoder_sps(self.decoder, self.buckets, **kw)
+        table = profile_decoder_sps(self.decoder, self.buckets, plain=self.plain_rounds, **kw)
         self._host_sps()
         return table
 
     def reset(self) -> None:
-        """Forget observed rounds (a new generation run starts)."""
+        """Forget observed rounds and probes (a new generation run starts)."""
         self._observed.clear()
+        self._plain_indices.clear()
         self._next_index = 0
+        self._gap, self._streak, self._probe = self.probe_gap[0], 0, None
+        self.kind_counts = dict.fromkeys(ROUND_KINDS, 0)

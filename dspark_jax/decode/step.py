@@ -73,7 +73,7 @@ from dspark_jax.decode.logprobs import target_logprobs
 from dspark_jax.decode.pages import full_pool_pages
 from dspark_jax.decode.plan_step import draft, plan_step, schedule
 from dspark_jax.decode.prefill_step import prefill_step
-from dspark_jax.decode.profiling import profile_step_fns
+from dspark_jax.decode.profiling import plain_step_fn, profile_step_fns
 
 # The step's data (re-exported here, where callers have always found it).
 from dspark_jax.decode.state import (  # noqa: F401
@@ -222,6 +222,7 @@ class SpeculativeDecoder:
         self.num_pages = d * self.replica_pages
         self.attention = resolve_backend(config.attention, head_dim=tcfg.head_dim)
         self._sps = None
+        self.plain_sps: float | None = None  # plain rounds per second (set_sps_table)
         # Host (NumPy) arrays: nothing concrete may be created on the device here, so the
         # same constructor serves ahead-of-time compilation for a TPU topology the host
         # does not have (jit places them as constants of the executables).
@@ -244,10 +245,15 @@ class SpeculativeDecoder:
             )
             round_fn, plan_fn = self._round_replicas, self._plan_replicas
             commit_fn, prefill_fn = self._commit_replicas, self._prefill_replicas
+            plain_fn = self._plain_replicas
         else:
             round_fn, plan_fn = self._round_impl, self._plan_impl
             commit_fn, prefill_fn = self._commit_impl, self._prefill_impl
+            plain_fn = self._plain_impl
         self._round = jax.jit(pin(round_fn, "round"), static_argnums=(2,), donate_argnums=(1,))
+        # A plain round (no drafter call, the anchors alone verified): what the draft-aware
+        # policy runs when drafting would not pay (decode.policy).
+        self._plain = jax.jit(pin(plain_fn, "plain_round"), donate_argnums=(1,))
         # The plan returns the state too: a DSpark/DFlash draft writes its block K/V into
         # the paged drafter context in place (donated, like every round).
         self._plan = jax.jit(pin(plan_fn, "plan"), static_argnums=(2,), donate_argnums=(1,))
@@ -269,8 +275,11 @@ class SpeculativeDecoder:
     def set_sps_table(self, table) -> None:
         """Install a profiled table (an ``SPSTable`` or a dense array indexed by ``B``).
 
-        It is an argument of the compiled rounds, so changing it never recompiles.
+        It is an argument of the compiled rounds, so changing it never recompiles. An
+        ``SPSTable`` with a plain round's time also sets ``plain_sps`` (else None: the
+        draft-aware policy then always drafts).
         """
+        plain = getattr(table, "plain_sps", None)
         if hasattr(table, "as_array"):
             table = table.as_array(self.table_len)
         arr = jnp.asarray(table, jnp.float32)
@@ -285,6 +294,7 @@ class SpeculativeDecoder:
             )
         self._sps = arr[: self.table_len]
         self._params = (self._params[0], self._params[1], self._sps)
+        self.plain_sps = plain
 
     def _require_table(self) -> None:
         if self.config.scheduler in ("prefix", "topk") and self._sps is None:
@@ -411,6 +421,10 @@ class SpeculativeDecoder:
         specs, rows = self._replica_specs, P(replicas_lib.DATA)
         return self._per_replica(fn, (P(), specs, rows), (specs, rows))(params, state, plan)
 
+    def _plain_replicas(self, params, state):
+        specs, rows = self._replica_specs, P(replicas_lib.DATA)
+        return self._per_replica(self._plain_impl, (P(), specs), (specs, rows))(params, state)
+
     def _prefill_replicas(self, params, state, rows, back):
         specs, data = self._replica_specs, P(replicas_lib.DATA)
         state, out = self._per_replica(self._prefill_impl, (P(), specs, data), (specs, data))(
@@ -480,6 +494,7 @@ class SpeculativeDecoder:
         """Executables compiled so far for rounds, plans, commits and prefills (one per
         shape; serving checks that none is added after warm-up)."""
         fns = (self._round, self._plan, self._commit, self._prefill, self._relayout_state)
+        fns += (self._plain,)
         return sum(f._cache_size() for f in fns)
 
     # -- the frozen target pieces the drafter shares --------------------------------------
@@ -624,6 +639,11 @@ class SpeculativeDecoder:
         budget ``K``, keyed by ``B = R + K``, for ``sched.sps.profile_sps``."""
         return profile_step_fns(self, budgets, seed, context_len)
 
+    def plain_step_fn(self, seed: int = 0, context_len: int = 1) -> Callable[[], Array]:
+        """``decode.profiling.plain_step_fn``: one plain round per call, on the state the
+        ``profile_step_fns`` rounds run on (``sched.sps.profile_sps``' ``plain_fn``)."""
+        return plain_step_fn(self, seed, context_len)
+
     def release(self, state: DecodeState, slot: int) -> DecodeState:
         """Free a slot (cancellation): it stops drafting/verifying from the next round."""
         state = state._replace(active=state.active.at[slot].set(False))
@@ -649,6 +669,17 @@ class SpeculativeDecoder:
             if self.replicas == 1:
                 return self._round(self._params, state, k)
             return self._round(self._params, state, k, self._limits(k, replica_budgets))
+
+    def plain_round(self, state: DecodeState):
+        """Run one *plain* round: the target verifies each active slot's anchor alone and
+        the drafter is not called (without a drafter: the K = 0 round). The drafter's
+        context is still written for the committed token (``commit_step``), so the next
+        drafting round drafts as if no round had been plain. Returns ``(state, output)``
+        like ``round``; the output's survivals are 0 (nothing was drafted)."""
+        if self.drafter is None:
+            return self._run_round(state, 0)
+        with self.mesh_context():
+            return self._plain(self._params, state)
 
     def plan(
         self, state: DecodeState, budget: int | None = None, replica_budgets=None
@@ -681,6 +712,10 @@ class SpeculativeDecoder:
         self, params, state: DecodeState, budget: int, limit=None
     ) -> tuple[DecodeState, Plan]:
         return plan_step(self, params, state, budget, limit)
+
+    def _plain_impl(self, params, state: DecodeState):
+        state, plan = plan_step(self, params, state, 0, drafting=False)
+        return self._commit_impl(params, state, plan, 0)
 
     def _round_impl(self, params, state: DecodeState, budget: int, limit=None):
         state, plan = self._plan_impl(params, state, budget, limit)

@@ -17,7 +17,8 @@ request owns which slot and pages, what runs on the device and in which order, i
    pages) that can hold it; it waits only when none can.
 2. **Dispatch** one decode round for every occupied slot at the budget the round policy
    gives (``decode.policy.RoundPolicy``: the smallest bucket holding γ per occupied slot,
-   dynamic top-K from round n − 2's survivals, two-phase Algorithm 1).
+   dynamic top-K from round n − 2's survivals, two-phase Algorithm 1), or a plain round
+   (the target alone) when the policy finds drafting would not pay.
 3. **Read** finished outputs and turn them into ``Emitted`` events (tokens, the device's
    finish code, logprobs and the round's record: accepted, verified, survival, drafts),
    then a ``RoundDone`` per round. A slot the device finished is freed with its pages
@@ -100,6 +101,7 @@ class RoundDone:
     taus: list[int]
     verified: int
     padding: int = 0  # rows run beyond the data replicas' own buckets (decode.policy)
+    kind: str = "draft"  # decode.policy.ROUND_KINDS: draft, plain (target alone) or probe
 
 
 @dataclasses.dataclass
@@ -124,7 +126,8 @@ class EngineCore:
     """Slots, pages, admission and rounds over ``decoder``'s state (see the module
     docstring). ``buckets``: verify budgets (None: the policy's defaults);
     ``prefill_batch``: most prompts per prefill call; ``seed``: the state's initial keys;
-    ``times``: where to add up the core's time (default its own ``CoreTimes``)."""
+    ``times``: where to add up the core's time (default its own ``CoreTimes``);
+    ``plain_rounds``: the policy's draft-aware rounds (``RoundPolicy``; None: its default)."""
 
     def __init__(
         self,
@@ -135,11 +138,12 @@ class EngineCore:
         pipelined: bool = False,
         seed: int = 0,
         times=None,
+        plain_rounds: bool | None = None,
     ):
         self.decoder = decoder
         cfg = decoder.config
         self.num_slots = cfg.num_slots
-        self.policy = RoundPolicy(decoder, buckets)
+        self.policy = RoundPolicy(decoder, buckets, plain_rounds=plain_rounds)
         self.prefill = PrefillBatcher(decoder, prefill_batch)
         # One pool per data replica (one without replicas), page numbers local to it.
         self.replicas, self.replica_slots = decoder.replicas, decoder.replica_slots
@@ -229,8 +233,8 @@ class EngineCore:
             owners = list(self.slots)
             occupied = np.asarray([r is not None for r in owners])
             self.state, out, budget, index = self.policy.dispatch(self.state, occupied)
-            padding = self.policy.last_padding
-            self.inflight.append(("round", out, owners, (budget, padding), t0, index))
+            meta = (budget, self.policy.last_padding, self.policy.last_kind)
+            self.inflight.append(("round", out, owners, meta, t0, index))
             # Two-phase Algorithm 1 waits for its plan inside dispatch: device time.
             waited = self.policy.last_wait_seconds
             self.times.device_wait_seconds += waited
@@ -320,7 +324,7 @@ class EngineCore:
 
     def _to_events(self, item, out, events: list) -> None:
         kind, _, owners, budget, t_dispatch, index = item
-        budget, padding = budget if kind == "round" else (budget, 0)
+        budget, padding, round_kind = budget if kind == "round" else (budget, 0, "")
         if kind == "prefill":
             for entry in owners:
                 if entry is None or entry[0].done:
@@ -345,7 +349,9 @@ class EngineCore:
                 r, [int(x) for x in out.tokens[s, :n]], code, lps, index,
                 int(out.accepted[s]), int(out.verified[s]), out.survival[s], out.draft_tokens[s],
             ))  # fmt: skip
-        events.append(RoundDone(index, seconds, budget, taus, int(np.sum(out.verified)), padding))
+        events.append(RoundDone(
+            index, seconds, budget, taus, int(np.sum(out.verified)), padding, round_kind
+        ))  # fmt: skip
 
     def _emit(self, events: list, event: Emitted) -> None:
         if event.finish != FINISH_NONE:  # the device deactivated the slot: free it now

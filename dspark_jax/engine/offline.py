@@ -55,6 +55,8 @@ class GenerationStats:
     compiled_budgets: list[int]
     # Verify rows run beyond the data replicas' own buckets (0 with one replica).
     padding_rows: int = 0
+    # Rounds by kind (decode.policy.ROUND_KINDS): drafting, plain (target alone), probes.
+    round_kinds: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -76,7 +78,8 @@ class Request:
 
 
 class Runner:
-    """Offline generation over ``decoder``'s slots through one ``EngineCore``."""
+    """Offline generation over ``decoder``'s slots through one ``EngineCore``
+    (``plain_rounds``: ``decode.policy.RoundPolicy``'s draft-aware rounds)."""
 
     def __init__(
         self,
@@ -84,9 +87,10 @@ class Runner:
         buckets: Sequence[int] | None = None,
         record_details: bool = False,
         seed: int = 0,
+        plain_rounds: bool | None = None,
     ):
         self.decoder = decoder
-        self.core = EngineCore(decoder, buckets, seed=seed)
+        self.core = EngineCore(decoder, buckets, seed=seed, plain_rounds=plain_rounds)
         self.policy = self.core.policy
         self.record_details = record_details
         self.seed = seed
@@ -126,11 +130,13 @@ class Runner:
             ))  # fmt: skip
         results: dict[int, SampleResult] = {}
         rounds = generated = budget_sum = padding = 0
+        kinds: dict[str, int] = {}
         start = time.perf_counter()
         while core.has_work:
             for ev in core.step():
                 if isinstance(ev, RoundDone):
                     rounds += 1
+                    kinds[ev.kind] = kinds.get(ev.kind, 0) + 1
                     budget_sum += ev.budget
                     padding += ev.padding
                     continue
@@ -146,6 +152,7 @@ class Runner:
             mean_budget=budget_sum / max(rounds, 1),
             compiled_budgets=list(self.buckets),
             padding_rows=padding,
+            round_kinds=kinds,
         )
         return [results[i] for i in range(len(requests))], stats
 

@@ -37,21 +37,38 @@ class SPSTable:
     buckets: strictly increasing verify sizes ``B`` that were timed.
     seconds: median wall time per bucket.
     sps: steps/s per bucket after the running minimum (non-increasing).
+    plain_seconds: median wall time of a *plain* round (the target alone verifying the
+      anchors, the drafter not called; ``decode.policy``'s draft-aware rounds), or None
+      when it was not profiled. Its own curve, outside the running minimum: it is a
+      different program, not a smaller bucket of the drafting rounds.
     """
 
     buckets: tuple[int, ...]
     seconds: tuple[float, ...]
     sps: tuple[float, ...]
+    plain_seconds: float | None = None
 
     def __post_init__(self):
         if not self.buckets or len({len(self.buckets), len(self.seconds), len(self.sps)}) != 1:
             raise ValueError("SPSTable needs equally long, non-empty buckets/seconds/sps")
         if any(b < 0 for b in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
             raise ValueError(f"SPSTable buckets must be increasing and >= 0; got {self.buckets}")
+        if self.plain_seconds is not None and not (
+            np.isfinite(self.plain_seconds) and self.plain_seconds > 0
+        ):
+            raise ValueError(f"plain_seconds must be finite and > 0; got {self.plain_seconds}")
+
+    @property
+    def plain_sps(self) -> float | None:
+        """Plain rounds per second (None when not profiled)."""
+        return None if self.plain_seconds is None else 1.0 / self.plain_seconds
 
     @classmethod
-    def from_seconds(cls, seconds_by_bucket: Mapping[int, float]) -> SPSTable:
-        """Build a table from ``{B: median seconds}`` (applies the running minimum)."""
+    def from_seconds(
+        cls, seconds_by_bucket: Mapping[int, float], plain_seconds: float | None = None
+    ) -> SPSTable:
+        """Build a table from ``{B: median seconds}`` (applies the running minimum) and the
+        plain round's median seconds, if profiled."""
         if not seconds_by_bucket:
             raise ValueError("need at least one bucket to build an SPS table")
         buckets = tuple(sorted(int(b) for b in seconds_by_bucket))
@@ -59,7 +76,8 @@ class SPSTable:
         if any(not np.isfinite(s) or s <= 0 for s in secs):
             raise ValueError(f"step times must be finite and > 0; got {dict(zip(buckets, secs))}")
         sps = np.minimum.accumulate(1.0 / np.asarray(secs))
-        return cls(buckets, secs, tuple(float(x) for x in sps))
+        plain = None if plain_seconds is None else float(plain_seconds)
+        return cls(buckets, secs, tuple(float(x) for x in sps), plain)
 
     def __call__(self, b: int) -> float:
         """``SPS(B)``: the smallest bucket ``>= B``; 0 above the largest bucket."""
@@ -75,7 +93,10 @@ class SPSTable:
         return jnp.asarray([self(b) for b in range(length)], jnp.float32)
 
     def to_json(self) -> dict[str, Any]:
-        return {"buckets": list(self.buckets), "seconds": list(self.seconds), "sps": list(self.sps)}
+        out = {"buckets": list(self.buckets), "seconds": list(self.seconds), "sps": list(self.sps)}
+        if self.plain_seconds is not None:
+            out["plain_seconds"] = self.plain_seconds
+        return out
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> SPSTable:
@@ -84,6 +105,7 @@ class SPSTable:
                 tuple(int(b) for b in obj["buckets"]),
                 tuple(float(s) for s in obj["seconds"]),
                 tuple(float(s) for s in obj["sps"]),
+                None if obj.get("plain_seconds") is None else float(obj["plain_seconds"]),
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed SPS table entry {obj!r}: {e}") from e
@@ -107,12 +129,14 @@ def profile_sps(
     repeats: int = 5,
     warmup: int = 1,
     progress: Callable[[int, int, int], None] | None = None,
+    plain_fn: Callable[[], Any] | None = None,
 ) -> SPSTable:
     """Time each ``step_fn_by_budget[B]()`` and return the SPS table.
 
     Each callable runs one verify step of size ``B`` (already compiled, or compiled during
     warm-up) and returns its outputs; the timer stops after ``jax.block_until_ready``.
     ``progress(budget, i, n)`` is called before the i-th of n buckets (1-based).
+    ``plain_fn``: one plain round, timed the same way (``SPSTable.plain_seconds``).
     """
     if not step_fn_by_budget:
         raise ValueError("step_fn_by_budget is empty: give one callable per verify bucket B")
@@ -126,7 +150,8 @@ def profile_sps(
         if not callable(fn):
             raise ValueError(f"step_fn_by_budget[{b}] is not callable: {fn!r}")
         seconds[int(b)] = max(median_seconds(fn, repeats, warmup), 1e-9)
-    return SPSTable.from_seconds(seconds)
+    plain = None if plain_fn is None else max(median_seconds(plain_fn, repeats, warmup), 1e-9)
+    return SPSTable.from_seconds(seconds, plain)
 
 
 def default_cache_path() -> str:
@@ -164,12 +189,15 @@ def _read_cache(path: str) -> dict[str, Any]:
     return data
 
 
-def cached_table(cache_path: str, key: str, buckets) -> SPSTable | None:
-    """The table cached under ``key`` if it covers exactly ``buckets``, else None."""
+def cached_table(cache_path: str, key: str, buckets, plain: bool = False) -> SPSTable | None:
+    """The table cached under ``key`` if it covers exactly ``buckets`` (and holds a plain
+    round's time when ``plain``), else None."""
     data = _read_cache(cache_path)
     if key in data:
         table = SPSTable.from_json(data[key])
-        if list(table.buckets) == sorted(int(b) for b in buckets):
+        if list(table.buckets) == sorted(int(b) for b in buckets) and (
+            not plain or table.plain_seconds is not None
+        ):
             return table
     return None
 
@@ -193,13 +221,17 @@ def load_or_profile(
     repeats: int = 5,
     warmup: int = 1,
     progress: Callable[[int, int, int], None] | None = None,
+    plain_fn: Callable[[], Any] | None = None,
 ) -> SPSTable:
-    """Return the cached table for ``key`` if it covers the same buckets (no step function
-    is called then), else a fresh ``profile_sps`` result written back (atomically) under ``key``.
-    Other keys in the file are preserved."""
-    table = cached_table(cache_path, key, step_fn_by_budget)
+    """Return the cached table for ``key`` if it covers the same buckets (and the plain
+    round, given ``plain_fn``; no step function is called then), else a fresh
+    ``profile_sps`` result written back (atomically) under ``key``. Other keys in the file
+    are preserved."""
+    table = cached_table(cache_path, key, step_fn_by_budget, plain=plain_fn is not None)
     if table is not None:
         return table
-    table = profile_sps(step_fn_by_budget, repeats=repeats, warmup=warmup, progress=progress)
+    table = profile_sps(
+        step_fn_by_budget, repeats=repeats, warmup=warmup, progress=progress, plain_fn=plain_fn
+    )
     store_table(cache_path, key, table)
     return table

@@ -33,7 +33,7 @@ from dspark_jax.sched.prefix import (
     candidate_order,
 )
 
-__all__ = ["admit_topk", "budget_index", "choose_budget", "expected_throughput"]
+__all__ = ["admit_topk", "best_budget", "budget_index", "choose_budget", "expected_throughput"]
 
 
 def _check_buckets(buckets) -> tuple[int, ...]:
@@ -87,6 +87,13 @@ def choose_budget(a_old, sps_table, buckets: Sequence[int], active=None) -> int:
     Returns:
       The smallest bucket ``>= argmax_k Θ(k)`` (the largest bucket if none is).
     """
+    return best_budget(a_old, sps_table, buckets, active)[0]
+
+
+def best_budget(a_old, sps_table, buckets: Sequence[int], active=None) -> tuple[int, float]:
+    """``choose_budget``'s bucket and ``max_k Θ(k)``, the expected tokens/s of the best
+    drafting round on these survivals (what the draft-aware policy, ``decode.policy``,
+    compares with a plain round's)."""
     b = _check_buckets(buckets)
     a = np.asarray(a_old, np.float32)
     if a.ndim != 2:
@@ -109,7 +116,7 @@ def choose_budget(a_old, sps_table, buckets: Sequence[int], active=None) -> int:
     tau = n_active + np.concatenate([[0.0], np.cumsum(sorted_a, dtype=np.float32)])[: k_max + 1]
     theta = tau * table[n_active : n_active + k_max + 1]
     k_star = int(np.argmax(theta))  # first maximum: the smallest best budget
-    return b[min(int(np.searchsorted(b, k_star, side="left")), len(b) - 1)]
+    return b[min(int(np.searchsorted(b, k_star, side="left")), len(b) - 1)], float(theta[k_star])
 
 
 @partial(jax.jit, static_argnames="k")

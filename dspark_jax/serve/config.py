@@ -41,6 +41,8 @@ class EngineConfig:
     attention: the verify attention backend: ``auto`` (``pallas_tpu`` on TPU,
       ``pallas_gpu`` on GPU, else ``xla``), ``xla``, ``pallas_tpu`` or ``pallas_gpu``
       (logged at start and in ``/metrics``).
+    plain_rounds: run a plain round (the target alone) when drafting would not pay on the
+      newest survivals (``decode.policy``); None: on for ``topk`` and ``prefix``.
     """
 
     num_slots: int = 8
@@ -62,6 +64,7 @@ class EngineConfig:
     page_size: int = 16
     kv_pages: int | None = None
     attention: str = "auto"
+    plain_rounds: bool | None = None
 
     def __post_init__(self):
         if self.max_logprobs < 0:

@@ -151,6 +151,7 @@ class Engine(Service):
             pipelined=True,
             seed=cfg.seed,
             times=self.stats,
+            plain_rounds=cfg.plain_rounds,
             **extra,
         )
         self.policy = self.core.policy
