@@ -63,6 +63,14 @@ def parse_args(argv=None):
     )
     p.add_argument("--threshold", type=float, default=0.5, help="static-threshold arm")
     p.add_argument(
+        "--plain-rounds",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run a plain round (the target alone, no draft) when drafting would not pay on "
+        "the newest confidences; probes keep speculation alive (auto: on for topk and "
+        "prefix; off: every round drafts, as in the paper)",
+    )
+    p.add_argument(
         "--slots",
         type=int,
         default=None,
@@ -273,8 +281,22 @@ def build_engine(args, drafter_dir, scheduler, models=None):
         sps_cache=args.sps_cache or default_cache_path(),
         model_name=name,
         verify_buckets=_buckets(getattr(args, "verify_buckets", None)),
+        plain_rounds=_plain_rounds(getattr(args, "plain_rounds", "auto"), scheduler),
     )
     return Engine(target, tp, tok, drafter, dp, cfg, sts=sts, mesh=mesh)
+
+
+def _plain_rounds(choice: str, scheduler: str) -> bool | None:
+    """``--plain-rounds`` as ``EngineConfig.plain_rounds``: ``on`` needs a scheduler with
+    confidences to decide on (topk, prefix), ``auto`` is the policy's default."""
+    if choice == "auto":
+        return None
+    if choice == "on" and scheduler not in ("topk", "prefix"):
+        raise ValueError(
+            f"--plain-rounds on decides from the drafter's confidences: it needs --scheduler "
+            f"topk or prefix and a DSpark drafter (the scheduler here is {scheduler!r})"
+        )
+    return choice == "on"
 
 
 def _buckets(text: str | None) -> tuple[int, ...] | None:
@@ -347,6 +369,18 @@ def demo_explanations(rows: dict, sps) -> list[str]:
     return out
 
 
+def round_kinds_line(temp: float, counts: dict, plain_rounds: bool, last_reason: str) -> str:
+    """The demo's one line on which DSpark rounds drafted and why (``decode.policy``)."""
+    total = sum(counts.values())
+    if not plain_rounds:
+        return f"DSpark rounds at T = {temp:g}: all {total} drafted (plain rounds off)"
+    return (
+        f"DSpark rounds at T = {temp:g}: {counts['draft']} drafted, {counts['plain']} plain "
+        f"(the target alone: drafting would not pay on the newest confidences), "
+        f"{counts['probe']} probes (drafting rounds that refresh them); last: {last_reason}"
+    )
+
+
 def demo(args) -> int:
     from dspark_jax.eval.metrics import ends_in_loop
     from dspark_jax.serve.engine import SamplingParams
@@ -371,12 +405,13 @@ def demo(args) -> int:
     # Greedy shows losslessness (identical outputs); T = 1 is the regime the drafters were
     # trained for.
     temps = (0.0, 1.0)
-    rows, sps = {}, None
+    rows, sps, kinds = {}, None, {}
     for label, sched in (("no speculation", "none"), ("DSpark", args.scheduler)):
         print(f"demo: warming up the {label} engine (compiling)", file=sys.stderr)
         engine = build_engine(args, drafter_dir, sched, models).start()
         sps = engine.sps_table or sps
         for temp in temps:
+            before = dict(engine.policy.kind_counts)
             t0 = time.perf_counter()
             results = []
             for i, p in enumerate(prompts):
@@ -392,6 +427,10 @@ def demo(args) -> int:
             # not a round's), so no speculation is exactly 1.
             emitted = sum(r.mean_accepted_length * r.rounds for r in results)
             rows[label, temp] = (engine.scheduler, emitted / max(rounds, 1), tokens / wall, results)
+            if label == "DSpark":
+                counts = engine.policy.kind_counts
+                kinds[temp] = ({k: counts[k] - before.get(k, 0) for k in counts},
+                               engine.policy.plain_rounds, engine.policy.last_reason)  # fmt: skip
         engine.shutdown()
     n_tok = sum(r.completion_tokens for r in rows["DSpark", 0.0][3])
     print(
@@ -415,6 +454,8 @@ def demo(args) -> int:
         f"lossless check (greedy DSpark output == no speculation, token for token): "
         f"{verdict}, {same} of {len(prompts)} prompts"
     )
+    for temp in temps:
+        print(round_kinds_line(temp, *kinds[temp]))
     for line in demo_explanations(rows, sps):
         print(line)
     last = "\n".join(prompts[0].rstrip("\n").split("\n")[-6:])

@@ -2,7 +2,9 @@
 N concurrent streaming clients, one arm at a time.
 
 Arms: no speculation, MTP-1, fixed γ, static threshold, Algorithm 1 (prefix), dynamic
-top-K. For every concurrency level each client sends requests back to back (bounded by
+top-K (both with draft-aware rounds, the engine's default: a plain round when drafting
+would not pay, ``sched.plain_rounds``), and dynamic top-K drafting every round (the
+paper's scheduler as published). For every concurrency level each client sends requests back to back (bounded by
 --requests-per-client and --time-limit); per request we record streamed tokens and wall
 time, and the server's per-request statistics (τ, drafts verified per round).
 
@@ -119,7 +121,8 @@ async def run_level(
 
 
 def build_arms(args):
-    """``[(arm name, scheduler, drafter slot)]`` plus a loader for the models."""
+    """``[(arm name, scheduler, models loader, plain rounds)]`` (plain rounds: None for
+    the engine's default, False: every round drafts)."""
     from dspark_jax.serve.engine import load_models
     from dspark_jax.testing import tiny_random_models
 
@@ -148,14 +151,15 @@ def build_arms(args):
         ds = lambda: load(args.drafter)
         mtp = (lambda: load(args.mtp_drafter)) if args.mtp_drafter else None
         base = lambda: load(None)
-    arms = [("no speculation", "none", base)]
+    arms = [("no speculation", "none", base, None)]
     if mtp is not None:
-        arms.append(("MTP-1", "fixed", mtp))
+        arms.append(("MTP-1", "fixed", mtp, None))
     arms += [
-        ("fixed γ", "fixed", ds),
-        ("static threshold", "threshold", ds),
-        ("Algorithm 1", "prefix", ds),
-        ("dynamic top-K", "topk", ds),
+        ("fixed γ", "fixed", ds, None),
+        ("static threshold", "threshold", ds, None),
+        ("Algorithm 1", "prefix", ds, None),
+        ("dynamic top-K", "topk", ds, None),
+        ("top-K, always drafting", "topk", ds, False),
     ]
     if args.arms:
         keep = set(args.arms.split(","))
@@ -182,6 +186,7 @@ def cost_model(engine, per_round_repeats: int) -> dict:
         "threshold": engine.config.threshold,
         "verify_buckets": list(engine.verify_buckets),
         "two_phase": engine.two_phase,
+        "plain_rounds": engine.policy.plain_rounds,
         "prefill_batch": max(engine.prefill_rows),
         "sps": table.to_json(),
         "prefill_seconds": [
@@ -283,7 +288,7 @@ def main(argv=None) -> int:
         "arms": {},
     }
     fname = f"{results_stem(q, args.temperature)}.json"
-    for name, scheduler, loader in build_arms(args):
+    for name, scheduler, loader, plain_rounds in build_arms(args):
         target, tp, tok, drafter, dp, sts = loader()
         if not q and "target_weights" not in results:  # summarize checks which models
             results["target_weights"] = weights_fingerprint(tp)
@@ -297,6 +302,7 @@ def main(argv=None) -> int:
             verify_buckets=(args.slots,) if q else None,
             sps_repeats=2 if q else 5,
             model_name="bench",
+            plain_rounds=plain_rounds,
         )
         t0 = time.perf_counter()
         engine = Engine(target, tp, tok, drafter, dp, cfg, sts=sts).start()
@@ -310,6 +316,7 @@ def main(argv=None) -> int:
             for c in levels:
                 before = engine.stats.timeline()
                 rounds_before = engine.stats.rounds
+                kinds_before = dict(engine.policy.kind_counts)
                 row = asyncio.run(
                     run_level(
                         server.url,
@@ -331,6 +338,10 @@ def main(argv=None) -> int:
                     (spent["dispatch_seconds"] + spent["host_seconds"]) / busy if busy else 0.0
                 )
                 spent["rounds"] = engine.stats.rounds - rounds_before
+                # Rounds by kind: drafting, plain (the target alone), probes (sched.plain_rounds).
+                row["round_kinds"] = {
+                    k: v - kinds_before.get(k, 0) for k, v in engine.policy.kind_counts.items()
+                }
                 row["timeline"] = spent
                 rows.append(row)
                 print(

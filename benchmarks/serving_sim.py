@@ -30,6 +30,7 @@ Writes ``<out>.json`` and ``<out>.md`` (and PNGs for the modelled run).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -43,13 +44,14 @@ RESULTS = os.path.join(REPO, "benchmarks", "results")
 # The serving benchmark's prompt mix (benchmarks/serving.py load_prompts), in its order.
 SERVING_SETS = ("humaneval", "mbpp", "gsm8k", "mt-bench")
 ACCEPTANCE_FILES = ("acceptance.json", "acceptance_other_sets.json")
-ARMS = (  # (arm name, scheduler, drafter) as benchmarks/serving.py builds them
-    ("no speculation", "none", None),
-    ("MTP-1", "fixed", "mtp1"),
-    ("fixed γ", "fixed", "dspark"),
-    ("static threshold", "threshold", "dspark"),
-    ("Algorithm 1", "prefix", "dspark"),
-    ("dynamic top-K", "topk", "dspark"),
+ARMS = (  # (arm name, scheduler, drafter, plain rounds) as benchmarks/serving.py builds them
+    ("no speculation", "none", None, False),
+    ("MTP-1", "fixed", "mtp1", False),
+    ("fixed γ", "fixed", "dspark", False),
+    ("static threshold", "threshold", "dspark", False),
+    ("Algorithm 1", "prefix", "dspark", True),
+    ("dynamic top-K", "topk", "dspark", True),
+    ("top-K, always drafting", "topk", "dspark", False),
 )
 
 
@@ -166,7 +168,7 @@ def validate(args) -> dict:
     }
     traces[None] = no_speculation_traces(traces["dspark"])
     out = {"serving": os.path.relpath(args.serving, REPO), "arms": {}, "measured": {}}
-    for name, _, drafter in ARMS:
+    for name, _, drafter, _ in ARMS:
         if name not in bench["arms"]:
             continue
         cm = bench["cost_model"][name]
@@ -178,6 +180,7 @@ def validate(args) -> dict:
             tuple(cm["verify_buckets"]),
             threshold=cm["threshold"],
             two_phase=cm["two_phase"],
+            plain_rounds=cm.get("plain_rounds", False),
         )
         measured = bench["arms"][name]
         host = host_seconds_per_round(measured, cm["two_phase"])
@@ -407,12 +410,17 @@ def modelled(args) -> dict:
     out["curve_slots"] = {}
     for curve, r_slots, tables, buckets in curves:
         arms = {}
-        for name, scheduler, drafter in ARMS:
+        # The plain round (the target alone at R rows, no drafter call) is modelled as the
+        # no-speculation round at B = R: a derived figure, without the drafter's context
+        # projection for the R committed rows (one draft layer's K/V per row).
+        plain = dataclasses.replace(tables["dspark"], plain_seconds=1.0 / tables["none"](r_slots))
+        for name, scheduler, drafter, plain_rounds in ARMS:
             kind = drafter or "none"
             g = {"dspark": gamma, "mtp1": 1, "none": 0}[kind]
             b = (0,) if g == 0 else buckets[kind]
-            arm = Arm(name, scheduler, g, tables[kind], b,
-                      two_phase=scheduler == "prefix" and len(b) > 1)  # fmt: skip
+            arm = Arm(name, scheduler, g, plain if plain_rounds else tables[kind], b,
+                      two_phase=scheduler == "prefix" and len(b) > 1,
+                      plain_rounds=plain_rounds)  # fmt: skip
             rows = []
             for c in levels:
                 wl = Workload(c, args.requests_per_client, args.max_tokens, prompt_tokens)

@@ -22,20 +22,10 @@ replica's own slots (each replica is one server of Algorithm 1); the round runs 
 largest of their buckets, each replica admitting only its own budget, and the rows a
 replica computes beyond its own bucket are the round's *padding*.
 
-Draft-aware rounds (``topk`` and ``prefix``, on by default; our addition, not the
-paper's): before each round the policy compares the best expected throughput of a
-drafting round, ``Θ_draft = max_K τ(K)·SPS(R + K)`` on the newest survivals it has read
-(the same search as top-K's budget), with a *plain* round's, ``Θ_plain = n·SPS_plain``
-(``n`` occupied slots, each emitting one token; the plain round is profiled as its own
-entry of the SPS table). When drafting cannot pay it runs the plain round
+Draft-aware rounds (``topk`` and ``prefix``, on by default): a *plain* round
 (``SpeculativeDecoder.plain_round``: the target alone, the drafter's context still
-written). Survivals come only from drafting rounds, so a run of plain rounds is broken by
-a *probe*, a drafting round after ``gap`` plain ones; a probe whose survivals still say
-"plain" doubles the gap (up to ``probe_gap[1]``), and any round that pays resets it to
-``probe_gap[0]``: speculation is never starved for more than ``probe_gap[1]`` rounds, and
-where it does not pay the probes cost at most one drafting round in ``probe_gap[1] + 1``.
-Every input of the decision is from rounds at least two back (what a pipelined host has
-read), never from the round it decides, so the rounds stay lossless (DESIGN §5.4).
+written) when drafting would not pay on the newest survivals read, with probes that keep
+speculation from starving (the rule and why it stays lossless: ``sched.plain_rounds``).
 
 A host loop calls ``dispatch(state, occupied)`` for each round (``occupied``: which slots
 hold a request) and ``observe(index, survival, active)`` when it has read that round's
@@ -53,16 +43,9 @@ import numpy as np
 from dspark_jax.decode.step import SpeculativeDecoder
 from dspark_jax.sched import budget as budget_lib
 from dspark_jax.sched import sps as sps_lib
-from dspark_jax.sched.topk import best_budget
+from dspark_jax.sched.plain_rounds import DEFAULT_PROBE_GAP, ROUND_KINDS, PlainRoundRule
 
 __all__ = ["ROUND_KINDS", "RoundPolicy", "default_buckets", "profile_decoder_sps"]
-
-# What a round did: drafted (its budget from the scheduler), plain (drafting would not pay
-# on the newest survivals), or a probe (a drafting round run to refresh those survivals).
-ROUND_KINDS = ("draft", "plain", "probe")
-# Plain rounds between probes: first 4, doubled after each probe that confirms plain, at
-# most 64 (an idle drafter costs at most 1 drafting round in 65 once the gap is at its top).
-DEFAULT_PROBE_GAP = (4, 64)
 
 
 def default_buckets(num_slots: int, gamma: int, count: int = 8) -> tuple[int, ...]:
@@ -160,14 +143,7 @@ class RoundPolicy:
                 f"'prefix' with a DSpark drafter; this decoder's is {self.scheduler!r}"
             )
         self.plain_rounds = survivals if plain_rounds is None else bool(plain_rounds)
-        lo, hi = (int(x) for x in probe_gap)
-        if not 1 <= lo <= hi:
-            raise ValueError(
-                f"probe_gap must be (first, most) with 1 <= first <= most; got {probe_gap}"
-            )
-        self.probe_gap = (lo, hi)
-        self._gap, self._streak = lo, 0
-        self._probe: int | None = None  # index of the newest probe, until its verdict
+        self.plain_rule = PlainRoundRule(probe_gap)
         self._plain_indices: set[int] = set()  # dispatched plain rounds not yet observed
         self.last_kind = "draft"  # what the last dispatched round did (ROUND_KINDS)
         self.last_reason = ""  # why, in a few words
@@ -219,39 +195,22 @@ class RoundPolicy:
         return None if not ready else (max(ready), self._observed[max(ready)])
 
     def _round_kind(self) -> str:
-        """Draft, plain or probe for the round about to be dispatched (module docstring).
-        Reads only survivals of rounds ``<= n − 2`` and the profiled SPS: never anything
-        of the round it decides."""
+        """Draft, plain or probe for the round about to be dispatched
+        (``sched.plain_rounds``): reads only survivals of rounds ``<= n − 2`` and the
+        profiled SPS, never anything of the round it decides."""
         dec = self.decoder
         if not self.plain_rounds or dec.plain_sps is None:
             self.last_reason = "always drafts" if not self.plain_rounds else "no plain SPS"
             return "draft"
         newest = self._newest_observed()
-        if newest is None:
-            self.last_reason = "no survivals read yet"
-            return "draft"
-        index, (survival, active) = newest
-        sps, rl = self._host_sps(), dec.replica_slots
-        theta_draft = theta_plain = 0.0
-        for d in range(dec.replicas):  # each replica is one server of Algorithm 1
-            block = slice(d * rl, (d + 1) * rl)
-            if active[block].any():
-                theta_draft += best_budget(survival[block], sps, self.buckets, active[block])[1]
-                theta_plain += int(active[block].sum()) * dec.plain_sps
-        ratio = theta_draft / theta_plain if theta_plain else float("inf")
-        if ratio > 1.0:
-            self._gap, self._streak, self._probe = self.probe_gap[0], 0, None
-            self.last_reason = f"drafting pays: Θ_draft/Θ_plain = {ratio:.2f}"
-            return "draft"
-        if self._probe is not None and index >= self._probe:  # the probe says: still plain
-            self._gap, self._probe = min(2 * self._gap, self.probe_gap[1]), None
-        if self._streak >= self._gap:
-            self._streak, self._probe = 0, self._next_index
-            self.last_reason = f"probe after {self._gap} plain rounds"
-            return "probe"
-        self._streak += 1
-        self.last_reason = f"drafting would not pay: Θ_draft/Θ_plain = {ratio:.2f}"
-        return "plain"
+        if newest is not None:
+            newest = (newest[0], *newest[1])
+        kind = self.plain_rule.decide(
+            self._next_index, newest, self._host_sps(), dec.plain_sps, self.buckets,
+            dec.replica_slots,
+        )  # fmt: skip
+        self.last_reason = self.plain_rule.reason
+        return kind
 
     def _host_sps(self) -> np.ndarray | None:
         """The decoder's SPS table on the host, fetched once per installed table (never
@@ -342,5 +301,5 @@ class RoundPolicy:
         self._observed.clear()
         self._plain_indices.clear()
         self._next_index = 0
-        self._gap, self._streak, self._probe = self.probe_gap[0], 0, None
+        self.plain_rule.reset()
         self.kind_counts = dict.fromkeys(ROUND_KINDS, 0)

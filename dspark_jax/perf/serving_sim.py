@@ -18,6 +18,12 @@ survivals of the newest processed round (two rounds before the one dispatched). 
 Algorithm 1 waits for the device before each dispatch (it reads Σ ℓ). The device runs its
 work in order; the host adds ``host_seconds`` per processed round.
 
+Draft-aware rounds (``Arm.plain_rounds``, ``sched.plain_rounds``): before each round the
+same rule as the engine's decides, on the survivals of the newest processed drafting
+round, whether to draft; a plain round takes ``SPSTable.plain_seconds`` and gives every
+active slot one token without consuming its trace's round (acceptance is treated as
+stationary over the few tokens until the next drafting round).
+
 Clients as in ``benchmarks/serving.py``: ``concurrency`` clients each send up to
 ``requests_per_client`` requests back to back, none started after ``time_limit``.
 
@@ -41,6 +47,7 @@ import numpy as np
 
 from dspark_jax.eval.calibration import survival_from_logits
 from dspark_jax.sched import budget as budget_lib
+from dspark_jax.sched.plain_rounds import PlainRoundRule
 from dspark_jax.sched.policies import make_scheduler
 from dspark_jax.sched.sps import SPSTable
 
@@ -113,6 +120,7 @@ class Arm:
     sps: the round's SPS table over ``B = R + K`` (seconds per round = 1 / SPS).
     verify_buckets: compiled budgets ``K`` (``(0,)`` for none).
     two_phase: Algorithm 1's plan → Σ ℓ → commit (the host waits for the plan).
+    plain_rounds: draft-aware rounds (module docstring); needs ``sps.plain_seconds``.
     """
 
     name: str
@@ -122,6 +130,16 @@ class Arm:
     verify_buckets: tuple[int, ...]
     threshold: float = 0.5
     two_phase: bool = False
+    plain_rounds: bool = False
+
+    def __post_init__(self):
+        if self.plain_rounds and self.sps.plain_seconds is None:
+            raise ValueError(f"arm {self.name!r}: plain rounds need the SPS table's plain_seconds")
+        if self.plain_rounds and self.scheduler not in ("topk", "prefix"):
+            raise ValueError(
+                f"arm {self.name!r}: plain rounds are decided from survivals (topk, prefix); "
+                f"got scheduler {self.scheduler!r}"
+            )
 
     def round_seconds(self, b: int) -> float:
         s = self.sps(b)
@@ -230,7 +248,9 @@ def simulate(
     host_slots: list[_Request | None] = [None] * slots  # what the host believes occupied
     device_active = np.zeros(slots, bool)
     inflight: collections.deque = collections.deque()
-    history: collections.deque = collections.deque(maxlen=2)
+    history: collections.deque = collections.deque(maxlen=2)  # drafting rounds read
+    rule = PlainRoundRule() if arm.plain_rounds else None
+    kinds = collections.Counter()
     t = dev = 0.0
     rounds = 0
     budgets: list[int] = []
@@ -255,9 +275,9 @@ def simulate(
                     finish(req, t)
             return
         t += host_seconds
-        survival, active, ended = payload
-        if arm.scheduler == "topk":
-            history.append((survival, active))
+        index, survival, active, ended = payload
+        if survival is not None:  # a plain round drafted nothing
+            history.append((index, survival, active))
         for slot, req in ended:
             host_slots[slot] = None
             finish(req, t)
@@ -305,7 +325,31 @@ def simulate(
                 survival[s] = req.trace.survival[req.ptr, :g]
                 accepted[s] = req.trace.accepted[req.ptr]
                 remaining[s] = wl.max_tokens - req.emitted
-            last = history[-1] if history else (None, None)
+            last = history[-1][1:] if history else (None, None)
+            kind = "draft"
+            if rule is not None:
+                kind = rule.decide(
+                    rounds, history[-1] if history else None, sps_dense, arm.sps.plain_sps,
+                    arm.verify_buckets, rl,
+                )  # fmt: skip
+            kinds[kind] += 1
+            if kind == "plain":
+                ended = []
+                for s in np.flatnonzero(device_active):  # one token each, the trace kept
+                    req = host_slots[s]
+                    req.emitted += 1
+                    per_request_rounds[req.index] += 1
+                    per_request_tokens[req.index] = req.emitted
+                    if req.emitted >= wl.max_tokens:
+                        device_active[s] = False
+                        ended.append((s, req))
+                dev = max(dev, t) + arm.sps.plain_seconds
+                inflight.append(("round", dev, (rounds, None, device_active.copy(), ended)))
+                rounds += 1
+                budgets.append(0)
+                while len(inflight) > 1:
+                    process(inflight.popleft())
+                continue
             lengths = np.zeros(slots, np.int64)
             own = []  # each replica's own budget (one replica: the round's)
             for b in blocks:
@@ -343,9 +387,9 @@ def simulate(
                     device_active[s] = False  # the device ends the slot (length / EOS)
                     ended.append((s, req))
             dev = max(dev, t) + arm.round_seconds(rl + budget)
-            rounds += 1
             budgets.append(int(budget))
-            inflight.append(("round", dev, (survival, device_active.copy(), ended)))
+            inflight.append(("round", dev, (rounds, survival, device_active.copy(), ended)))
+            rounds += 1
             while len(inflight) > 1:
                 process(inflight.popleft())
         else:
@@ -380,5 +424,6 @@ def simulate(
         "budgets": budgets,
         "replicas": replicas,
         "padding_rows": padding,
+        "round_kinds": dict(kinds),
         "mean_latency_seconds": mean(lat),
     }
