@@ -52,6 +52,7 @@ def reports(compiled_steps):
     return {k: v[0] for k, v in compiled_steps.items()}
 
 
+@pytest.mark.slow  # 61 s
 def test_memory_report_present_and_consistent(reports):
     r = reports[8]
     assert r["task"] == "drafter" and r["num_devices"] == 8
@@ -123,7 +124,7 @@ def test_markov_factors_split_over_fsdp():
     assert shd.logical_to_spec(("rank", "vocab"), (6, v), fsdp) == P(None, "tensor")
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.parametrize("remat", ["full", pytest.param("dots", marks=pytest.mark.slow)])
 def test_drafter_remat_same_loss_and_grads(remat):
     """drafter.remat wraps each draft layer in nn.remat: the same loss and gradients."""
     tgt = get_preset("tiny")
@@ -165,6 +166,7 @@ def test_drafter_remat_config_key():
         load_config(CFG, SMALL + [("drafter.remat", "sometimes")])
 
 
+@pytest.mark.slow  # 30 s; the drafter's remat is tested beside it
 def test_remat_flag_same_gradients_less_memory():
     cfg = get_preset("tiny").replace(num_hidden_layers=2)
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 64), 0, cfg.vocab_size)

@@ -86,6 +86,7 @@ def test_tiny_serving_round_compiles_with_xla_tpu(v5e_mesh):
 
 
 @needs_libtpu
+@pytest.mark.slow  # 22 s
 def test_roofline_benchmark_writes_its_tables(tmp_path):
     """benchmarks/roofline.py on tiny models (two buckets): XLA:TPU flops near the hand
     count, bytes above the floor, a modelled SPS table in the --sps-cache format."""

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from dspark_jax.testing import free_port, one_device_subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,6 +64,7 @@ def test_guide_settings_table_has_the_script_values():
         assert row in guide, f"{GUIDE} should have the row {row!r}"
 
 
+@pytest.mark.slow  # the whole guide end to end (137 s)
 def test_walkthrough_end_to_end_on_a_tiny_random_qwen3(tmp_path):
     env = one_device_subprocess_env(tmp_path / "jax_cache")
     # `python` in the script is this interpreter (CI: the leg's virtual environment).

@@ -590,7 +590,9 @@ def test_sts_calibration_applied_to_confidences(target):
         SpeculativeDecoder(model, params, drafter, dparams, cfg, sts_biases=np.zeros(g + 1))
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3", "mtp1"])
+@pytest.mark.parametrize(
+    "kind", ["dspark", "eagle3"] + [pytest.param(k, marks=_SLOW) for k in ("dflash", "mtp1")]
+)
 def test_kv_cached_context_matches_feature_draft(target, kind):
     """Every drafter keeps per-slot K/V rows in pages (computed once per committed
     position; EAGLE-3/MTP-1 once the next token is committed, plus the last state). After

@@ -209,3 +209,15 @@ def test_without_a_drafter_the_plain_round_is_the_k0_round(target):  # noqa: F81
     state, out = dec.plain_round(state)
     jax.block_until_ready(out.tokens)
     assert dec._round._cache_size() == 1 and dec._plain._cache_size() == 0
+
+
+def test_the_rule_refuses_a_round_it_may_not_read():
+    """``PlainRoundRule.decide`` for round n accepts survivals of rounds <= n − 2 only."""
+    from dspark_jax.sched.plain_rounds import PlainRoundRule
+
+    dense = np.asarray(_table(1.0, 0.5).as_array(R * (G + 1) + 1))
+    rule = PlainRoundRule()
+    assert rule.decide(5, (3, HOPELESS, BOTH), dense, 2.0, BUCKETS, R) == "plain"
+    assert rule.decide(5, (3, SURE, BOTH), dense, 2.0, BUCKETS, R) == "draft"
+    with pytest.raises(ValueError, match="round 5 may only be decided on rounds <= 3"):
+        rule.decide(5, (4, SURE, BOTH), dense, 2.0, BUCKETS, R)

@@ -290,6 +290,7 @@ def test_trains_with_decreasing_loss_and_sharded_run_matches(env, dspark_run, ki
     np.testing.assert_allclose(a, b, rtol=0, atol=2e-3)
 
 
+@pytest.mark.slow  # 18 s; DSpark's training is tested beside it
 def test_eagle3_trains_with_decreasing_loss(env, tmp_path):
     cfg = _cfg(env, "eagle3")
     summary = train(cfg, str(tmp_path), devices=jax.devices()[:1], progress=False)

@@ -453,7 +453,9 @@ def test_markov_rank0_is_backbone():
     np.testing.assert_allclose(np.asarray(out.probs), np.asarray(ref), atol=1e-5)
 
 
-@pytest.mark.parametrize("head, factor", [("markov", 10.0), ("rnn", 2.0)])
+@pytest.mark.parametrize(
+    "head, factor", [pytest.param("markov", 10.0, marks=pytest.mark.slow), ("rnn", 2.0)]
+)
 def test_zero_bias_head_init_starts_as_backbone_and_learns_fast(head, factor):
     """``head_init="zero_bias"``: W2 = 0 so the drafter starts exactly at its backbone's
     logits, W1 has unit scale, and W2's first gradient is orders of magnitude larger than

@@ -211,6 +211,7 @@ def cli_run(workspace, tmp_path_factory):
     }
 
 
+@pytest.mark.slow  # 80 s; the refusal itself is tested in test_calibration
 def test_cli_calibrate_refuses_a_fit_that_makes_a_position_worse(cli_run):
     rc, written, err = cli_run["refused"]
     assert rc == 2 and not written

@@ -93,6 +93,7 @@ def test_greedy_cli_matches_autoregressive(model_dirs, capsys):
         )
 
 
+@pytest.mark.slow  # 41 s; the SPS cache is tested in test_engine
 def test_prefix_sampling_cli_profiles_sps_and_reuses_cache(model_dirs, monkeypatch):
     """SPS is profiled into the per-user cache ($XDG_CACHE_HOME), not beside --out."""
     d = model_dirs

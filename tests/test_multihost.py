@@ -135,6 +135,7 @@ def test_two_processes_match_one_process(runs):
     assert files == ["process_0-of-2.json", "process_1-of-2.json"]
 
 
+@pytest.mark.slow  # 32 s
 def test_checkpoint_moves_between_topologies(corpus, runs):
     root, one, two, cache = runs
     ref = _losses(one)

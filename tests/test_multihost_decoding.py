@@ -122,6 +122,7 @@ def _ask_everything(url: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # 130 s; the lockstep turns and watchdog are tested in test_lockstep, two-process decoding offline in test_distill
 def test_two_process_server_answers_as_one_process_and_drains_on_sigterm(tmp_path):
     env1 = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "one"))  # 8 fake devices
     port = free_port()

@@ -310,6 +310,7 @@ def test_a_scan_of_static_length_is_counted_trips_times_on_cpu():
     assert bytes_by_scope(hlo)["total"] > 3 * rl.cost_of(compiled)["bytes"]
 
 
+@pytest.mark.slow  # 26 s
 def test_verify_cost_benchmark_runs_with_chosen_budgets(tmp_path):
     """benchmarks/verify_cost.py end to end on a tiny model with the options an
     accelerator run uses (chosen budgets, a dtype, the attention backend, no feature-draft
@@ -367,6 +368,7 @@ def test_verify_cost_times_rounds_at_each_context_beside_the_modelled_chip(tmp_p
         ])  # fmt: skip
 
 
+@pytest.mark.slow  # 14 s
 def test_gpu_attention_check_passes_the_kernel_interpreted(tmp_path):
     """benchmarks/gpu_attention_check.py (the device run's gate before it picks pallas_gpu)
     on tiny shapes: both backends match the dense reference within tolerance."""

@@ -14,6 +14,7 @@ import sys
 
 import httpx
 import openai
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import serve  # noqa: E402
@@ -22,6 +23,7 @@ from dspark_jax.decode.autoregressive import generate as ar_generate  # noqa: E4
 from dspark_jax.testing import free_port, wait_until_healthy  # noqa: E402
 
 
+@pytest.mark.slow  # 130 s; data replicas are tested at the engine level in test_decode_mesh
 def test_serve_on_data_replicas_of_a_tensor_mesh_answers_the_openai_client(tmp_path):
     port = free_port()
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))  # 8 fake devices: conftest's flags

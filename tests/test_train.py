@@ -47,6 +47,7 @@ def one_device_run(corpus, tmp_path_factory):
     return workdir, summary
 
 
+@pytest.mark.slow  # 54 s; the drafter's sharded training is tested in test_drafter_train
 def test_loss_decreases_and_sharded_run_matches(corpus, one_device_run, tmp_path):
     workdir1, summary = one_device_run
     cfg = _cfg(corpus)

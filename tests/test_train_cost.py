@@ -33,6 +33,7 @@ def test_lm_step_flops_match_a_hand_count():
     assert flops == pytest.approx(3 * forward, rel=0.03)
 
 
+@pytest.mark.slow  # 62 s
 def test_bundled_step_flops_table_is_current():
     """``train.bundled.BUNDLED_STEP_GFLOPS`` (which sets every bundled arm's steps) is what
     XLA reports for today's configs, and each arm's steps spend the shared budget."""
