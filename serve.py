@@ -343,16 +343,32 @@ def _readable(text: str, max_lines: int = 12) -> str:
     return "\n".join(lines[:max_lines]) + (f"\n    [... {more} more lines]" if more > 0 else "")
 
 
-def demo_explanations(rows: dict, sps) -> list[str]:
+def demo_explanations(rows: dict, sps, kinds: dict | None = None) -> list[str]:
     """What the demo says under its table, each line only where the measurement shows it:
     why an arm was slower than no speculation (``rows[label, T] = (scheduler, τ, tok/s,
-    results)``), and what verifying more tokens costs here (``sps``: the SPS profile)."""
+    results)``; ``kinds[T]``: DSpark's rounds by kind, as ``round_kinds_line`` takes them),
+    and what verifying more tokens costs here (``sps``: the SPS profile)."""
     out = []
     slower = [
         (temp, row[1])
         for (label, temp), row in sorted(rows.items(), key=lambda kv: kv[0][1])
         if label == "DSpark" and row[2] < rows["no speculation", temp][2]
     ]
+    kinds = kinds or {}
+
+    def mostly_plain(temp):
+        counts = kinds.get(temp, ({}, False, ""))[0]
+        return counts.get("plain", 0) > sum(counts.values()) / 2
+
+    plain = [(temp, tau) for temp, tau in slower if mostly_plain(temp)]
+    slower = [(temp, tau) for temp, tau in slower if not mostly_plain(temp)]
+    if plain:
+        temps = " and ".join(f"T = {temp:g}" for temp, _ in plain)
+        out.append(
+            f"DSpark ran most rounds plain at {temps} (drafting does not pay on this CPU), "
+            "so it decoded as no speculation does; what it lost is its few probes' drafting "
+            "and the run-to-run noise of timing two arms one after the other"
+        )
     if slower:
         taus = " and ".join(f"tau {tau:.2f} at T = {temp:g}" for temp, tau in slower)
         out.append(
@@ -456,7 +472,7 @@ def demo(args) -> int:
     )
     for temp in temps:
         print(round_kinds_line(temp, *kinds[temp]))
-    for line in demo_explanations(rows, sps):
+    for line in demo_explanations(rows, sps, kinds):
         print(line)
     last = "\n".join(prompts[0].rstrip("\n").split("\n")[-6:])
     print(f"\n--- prompt 1 (its last lines) ---\n{last}")

@@ -177,6 +177,13 @@ def test_demo_explains_only_what_its_measurement_shows():
         "DSpark is slower than no speculation here (tau 1.83 at T = 0): the extra tokens "
         "per round do not pay for drafting and verifying gamma tokens on a CPU"
     ]
+    # Slower with most rounds plain: the plain rounds are named, not drafting's cost.
+    kinds = {0.0: ({"draft": 1, "plain": 90, "probe": 3}, True, "")}
+    (line,) = serve.demo_explanations(rows, None, kinds)
+    assert line.startswith("DSpark ran most rounds plain at T = 0 (drafting does not pay")
+    line = serve.round_kinds_line(0.0, *kinds[0.0])
+    assert line.startswith("DSpark rounds at T = 0: 1 drafted, 90 plain")
+    assert "3 probes" in line
     rows["DSpark", 0.0] = ("topk", 2.5, 310.0, [])
     sps = SPSTable.from_seconds({2: 0.01, 8: 0.02})
     (line,) = serve.demo_explanations(rows, sps)

@@ -149,9 +149,9 @@ def test_bad_inputs_are_named():
 
 def test_plain_rounds_in_the_simulator_follow_the_engines_rule():
     """R = 1, γ = 2, top-K. Drafting rounds take 1 s, a plain round 0.5 s (SPS_plain 2).
-    Hopeless drafts (survival 0): after the two rounds decided on nothing, plain rounds of
-    one token each, with probes after 4, 8, ... of them: the modelled throughput is close
-    to plain decoding's 2 tok/s. Sure drafts (survival 1, all accepted: Θ_draft = 3 > 2):
+    Hopeless drafts (survival 0): after the first round (a probe) plain rounds of one token
+    each, with probes after 4, 8, ... of them: the modelled throughput is close to plain
+    decoding's 2 tok/s. Sure drafts (survival 1, all accepted: Θ_draft = 3 > 2):
     every round drafts, as without plain rounds."""
     table = SPSTable.from_seconds({1: 1.0, 2: 1.0, 3: 1.0}, plain_seconds=0.5)
     workload = Workload(concurrency=1, requests_per_client=1, max_tokens=200, prompt_tokens=(8,))
@@ -164,14 +164,14 @@ def test_plain_rounds_in_the_simulator_follow_the_engines_rule():
 
     hopeless = run(0.0, 0, True)
     kinds = hopeless["round_kinds"]
-    # Probes after 4, 8, 16, 32, 64, 64 plain rounds: 6 within 200 tokens.
-    assert kinds["draft"] == 2 and kinds["probe"] == 6 and kinds["plain"] > 180, kinds
+    # Probes after 1 + 8, 16, 32, 64, 128 plain rounds: 4 within 200 tokens.
+    assert kinds["draft"] == 1 and kinds["probe"] == 4 and kinds["plain"] > 180, kinds
     assert hopeless["aggregate_tokens_per_second"] > 0.9 * 2.0
     assert run(0.0, 0, False)["aggregate_tokens_per_second"] < 1.01
-    sure = run(1.0, 2, True)
-    assert sure["round_kinds"] == {"draft": sure["rounds"]}
+    sure = run(1.0, 2, True)  # round 1 waits, plain, for the first round's survivals
+    assert sure["round_kinds"] == {"draft": sure["rounds"] - 1, "plain": 1}
     assert sure["aggregate_tokens_per_second"] == pytest.approx(
-        run(1.0, 2, False)["aggregate_tokens_per_second"]
+        run(1.0, 2, False)["aggregate_tokens_per_second"], rel=0.02
     )
     with pytest.raises(ValueError, match="plain_seconds"):
         Arm("topk", "topk", gamma=2, sps=_table({1: 1.0}), verify_buckets=(1,), plain_rounds=True)
