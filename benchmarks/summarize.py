@@ -76,6 +76,7 @@ MANIFEST = (
          "measurements, serving options per round, compile time", (
         Entry((R + "verify_cost.md",), cost.verify),
         Entry((R + "round_options.json",), cost.round_options),
+        Entry((R + "plain_round.json",), cost.plain_round),
         Entry((R + "gpu_attention_h200.json", R + "verify_cost_h200_xla.md"), cost.gpu),
         Entry((R + "compile_time.json",), cost.compile_time),
     )),

@@ -108,6 +108,41 @@ def round_options_section(ro) -> list[str]:
     return out
 
 
+def plain_round_section(pr) -> list[str]:
+    """The plain round (draft-aware rounds) against no speculation and drafting rounds
+    (``plain_round.json``)."""
+    if not pr:
+        return []
+    out = [
+        "## What a plain round costs",
+        "",
+        f"Bundled target + DSpark (γ = {pr['gamma']}), every slot active at {pr['context']} "
+        "committed tokens, T = 1; median ms per round, arms interleaved. *plain*: the target "
+        "alone over the anchors, the drafter's context K/V of the committed token written "
+        "(what `--plain-rounds` runs when drafting would not pay); *no speculation*: the same "
+        "target without a drafter.",
+        "",
+        f"    {pr['command'].strip()}",
+        "",
+        "| R | no speculation | plain | drafting, K = 1 | drafting, K = R·γ | plain / none "
+        "| drafting K = 1 / plain |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in pr["rows"]:
+        ms = r["ms"]
+        full = next(v for k, v in ms.items() if k.startswith("drafting") and k != "drafting, K = 1")
+        out.append(
+            f"| {r['slots']} | {ms['no speculation']:.2f} | {ms['plain']:.2f} | "
+            f"{ms['drafting, K = 1']:.2f} | {full:.2f} | {r['plain_over_no_speculation']:.2f} | "
+            f"{r['smallest_drafting_over_plain']:.2f} |"
+        )
+    return out + [""]
+
+
+def plain_round(results: pathlib.Path) -> list[str]:
+    return plain_round_section(common.load(results / "plain_round.json"))
+
+
 def compile_section(ct) -> list[str]:
     if ct is None:
         return []
