@@ -361,3 +361,22 @@ def test_padding_counts_rows_run_for_the_other_replica(target):  # noqa: F811
     state = dec.init_state()
     state, _, budget, _ = policy.dispatch(state, occupied)
     assert budget == max(own) and policy.last_padding == max(own) - min(own) > 0
+
+
+def test_plain_rounds_on_data_replicas_equal_one_device(target, reference):  # noqa: F811
+    """Draft-aware top-K on data 2 × tensor 4 with a plain round profiled twice as fast as
+    any drafting one: most rounds run plain (per replica, in one executable), probes
+    draft now and then, and the greedy tokens are those of one device."""
+    from dspark_jax.sched.sps import SPSTable
+
+    requests, want = reference
+    mesh = mesh_lib.decode_mesh(data=2, tensor=4)
+    dec = _decoder(target, "dspark", "topk", mesh, slots=8)
+    buckets = (2, 6, dec.full_budget)
+    per = dec.replica_slots
+    dec.set_sps_table(SPSTable.from_seconds({per + k: 1.0 for k in buckets}, plain_seconds=0.5))
+    res, stats = Runner(dec, buckets=buckets).generate(requests)
+    for req, w, r in zip(requests, want, res):
+        _assert_same_greedy(target, req.prompt, w, r.tokens)
+    assert stats.round_kinds["plain"] > stats.rounds / 2, stats.round_kinds
+    assert dec._plain._cache_size() == 1
