@@ -366,8 +366,9 @@ def demo_explanations(rows: dict, sps, kinds: dict | None = None) -> list[str]:
         temps = " and ".join(f"T = {temp:g}" for temp, _ in plain)
         out.append(
             f"DSpark ran most rounds plain at {temps} (drafting does not pay on this CPU), "
-            "so it decoded as no speculation does; what it lost is its few probes' drafting "
-            "and the run-to-run noise of timing two arms one after the other"
+            "so it decoded as no speculation does, plus keeping the drafter's context current "
+            "(a few %) and a few drafting probes; the rest is the run-to-run noise of timing "
+            "two arms one after the other"
         )
     if slower:
         taus = " and ".join(f"tau {tau:.2f} at T = {temp:g}" for temp, tau in slower)
