@@ -42,18 +42,20 @@ def plan_step(
         jnp.swapaxes(dec._position_keys(state), 0, 1)[: dec.gamma],
         split_keys(draft_keys, dec.gamma),
     )
-    if not drafting:
-        draft_tokens, draft_probs, _, _ = no_drafts(dec)
-        # No draft, no confidence: survival 0 says so to whoever reads the round's output.
-        conf = jnp.zeros(draft_tokens.shape, jnp.float32)
-        lengths = jnp.zeros(active.shape, jnp.int32)
-    else:
+    if drafting:
         draft_tokens, draft_probs, conf, out = dec._draft(params, state, StepKeys(step_keys))
         if out is not None and out.context is not None:
             state = state._replace(ctx_feats=out.context)
-        limited = () if limit is None else (limit,)  # a data replica's own budget
-        lengths = dec._schedule(jnp.cumprod(conf, axis=1), active, budget, params[2], *limited)
+    else:
+        draft_tokens, draft_probs, _, _ = no_drafts(dec)
+        # No draft, no confidence: survival 0 says so to whoever reads the round's output.
+        conf = jnp.zeros(draft_tokens.shape, jnp.float32)
     survival = jnp.cumprod(conf, axis=1)
+    if drafting:
+        limited = () if limit is None else (limit,)  # a data replica's own budget
+        lengths = dec._schedule(survival, active, budget, params[2], *limited)
+    else:
+        lengths = jnp.zeros(active.shape, jnp.int32)
     # Cap by cache room and max_new so no write goes past max_len (lengths only).
     room = jnp.maximum(c.max_len - 2 - state.seq_len, 0)
     lengths = jnp.minimum(lengths, jnp.minimum(room, jnp.maximum(state.remaining - 1, 0)))

@@ -70,10 +70,9 @@ def profile_decoder_sps(
     round (``SPSTable.plain_seconds``; None: when the decoder has a drafter)."""
     fns = decoder.profile_step_fns(budgets)
     # A decoder with a drafter also times its plain round (the draft-aware policy's arm).
-    if plain is None:
-        plain = decoder.drafter is not None
-    plain = decoder.plain_step_fn() if plain and decoder.drafter is not None else None
-    kw = dict(repeats=repeats, warmup=warmup, progress=progress, plain_fn=plain)
+    timed_plain = decoder.drafter is not None and plain is not False
+    plain_fn = decoder.plain_step_fn() if timed_plain else None
+    kw = dict(repeats=repeats, warmup=warmup, progress=progress, plain_fn=plain_fn)
     if decoder.spans_processes:
         table = _profile_on_every_process(fns, cache_path, key, kw)
     elif cache_path is None:
@@ -174,8 +173,8 @@ class RoundPolicy:
             counts = [int(occupied)]
         else:
             counts = [int(n) for n in np.asarray(occupied, bool).reshape(d, rl).sum(axis=1)]
-        old = self._newest_observed()
-        old = None if old is None else old[1]
+        newest = self._newest_observed()
+        old = None if newest is None else newest[1:]
         sps = self._host_sps() if old is not None else None
         out = []
         for i in range(d):
@@ -188,11 +187,11 @@ class RoundPolicy:
         return out
 
     def _newest_observed(self):
-        """``(index, (survival, active))`` of the newest drafting round read among rounds
+        """``(index, survival, active)`` of the newest drafting round read among rounds
         ``<= n − 2`` (``n``: the round about to be dispatched; a pipelined host has read
         exactly those, so offline and serving decide alike), or None."""
         ready = [i for i in self._observed if i <= self._next_index - 2]
-        return None if not ready else (max(ready), self._observed[max(ready)])
+        return None if not ready else (max(ready), *self._observed[max(ready)])
 
     def _round_kind(self) -> str:
         """Draft, plain or probe for the round about to be dispatched
@@ -202,11 +201,8 @@ class RoundPolicy:
         if not self.plain_rounds or dec.plain_sps is None:
             self.last_reason = "always drafts" if not self.plain_rounds else "no plain SPS"
             return "draft"
-        newest = self._newest_observed()
-        if newest is not None:
-            newest = (newest[0], *newest[1])
         kind = self.plain_rule.decide(
-            self._next_index, newest, self._host_sps(), dec.plain_sps, self.buckets,
+            self._next_index, self._newest_observed(), self._host_sps(), dec.plain_sps, self.buckets,
             dec.replica_slots,
         )  # fmt: skip
         self.last_reason = self.plain_rule.reason

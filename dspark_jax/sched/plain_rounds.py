@@ -111,10 +111,9 @@ class PlainRoundRule:
             self._level, self._streak, self._probe, self._drafted = 0, 0, None, index
             self.reason = f"drafting pays (Θ_draft/Θ_plain = {ratio:.2f})"
             return "draft"
-        gap = self._gap(sps_table, plain_sps, buckets, replica_slots)
         if self._probe is not None and seen >= self._probe:  # the probe says: still plain
             self._probe, self._level = None, min(self._level + 1, 30)  # the gap doubles
-            gap = self._gap(sps_table, plain_sps, buckets, replica_slots)
+        gap = self._gap(sps_table, plain_sps, buckets, replica_slots)
         if self._streak >= gap:
             self._streak, self._probe, self._drafted = 0, index, index
             self.reason = f"probe after {gap} plain rounds"
