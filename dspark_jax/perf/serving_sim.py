@@ -315,7 +315,16 @@ def simulate(
                 per_request_tokens[req.index] = 1
             inflight.append(("prefill", dev, chunk))
         if any(r is not None for r in host_slots):
-            if arm.two_phase:
+            last = history[-1][1:] if history else (None, None)
+            kind = "draft"
+            if rule is not None:
+                kind = rule.decide(
+                    rounds, history[-1] if history else None, sps_dense, arm.sps.plain_sps,
+                    arm.verify_buckets, rl,
+                )  # fmt: skip
+            kinds[kind] += 1
+            plain = kind == "plain"  # the target alone: no plan to wait for, no draft
+            if arm.two_phase and not plain:
                 t = max(t, dev)  # the host reads the plan's Σ ℓ before choosing the shape
             survival = np.ones((slots, g), np.float32)
             accepted = np.zeros(slots, np.int64)
@@ -325,34 +334,9 @@ def simulate(
                 survival[s] = req.trace.survival[req.ptr, :g]
                 accepted[s] = req.trace.accepted[req.ptr]
                 remaining[s] = wl.max_tokens - req.emitted
-            last = history[-1][1:] if history else (None, None)
-            kind = "draft"
-            if rule is not None:
-                kind = rule.decide(
-                    rounds, history[-1] if history else None, sps_dense, arm.sps.plain_sps,
-                    arm.verify_buckets, rl,
-                )  # fmt: skip
-            kinds[kind] += 1
-            if kind == "plain":
-                ended = []
-                for s in np.flatnonzero(device_active):  # one token each, the trace kept
-                    req = host_slots[s]
-                    req.emitted += 1
-                    per_request_rounds[req.index] += 1
-                    per_request_tokens[req.index] = req.emitted
-                    if req.emitted >= wl.max_tokens:
-                        device_active[s] = False
-                        ended.append((s, req))
-                dev = max(dev, t) + arm.sps.plain_seconds
-                inflight.append(("round", dev, (rounds, None, device_active.copy(), ended)))
-                rounds += 1
-                budgets.append(0)
-                while len(inflight) > 1:
-                    process(inflight.popleft())
-                continue
             lengths = np.zeros(slots, np.int64)
             own = []  # each replica's own budget (one replica: the round's)
-            for b in blocks:
+            for b in [] if plain else blocks:
                 if arm.two_phase:
                     part = schedule(survival[b], device_active[b], None)
                     part = np.where(device_active[b], part, 0)
@@ -370,7 +354,7 @@ def simulate(
                     part = schedule(survival[b], device_active[b], k)
                 lengths[b] = part
                 own.append(k)
-            budget = max(own)
+            budget = max(own, default=0)
             padding += sum(budget - k for k in own)
             # The decode step caps each slot by its remaining tokens (one is the target's).
             lengths = np.where(device_active, np.minimum(lengths, np.maximum(remaining - 1, 0)), 0)
@@ -379,16 +363,18 @@ def simulate(
                 req = host_slots[s]
                 n = int(min(accepted[s], lengths[s])) + 1
                 req.emitted += n
-                req.ptr += 1
+                req.ptr += 0 if plain else 1  # a plain round keeps the trace's round
                 per_request_rounds[req.index] += 1
                 per_request_tokens[req.index] = req.emitted
                 per_request_verified[req.index] += int(lengths[s])
                 if req.emitted >= wl.max_tokens or req.ptr >= len(req.trace.accepted):
                     device_active[s] = False  # the device ends the slot (length / EOS)
                     ended.append((s, req))
-            dev = max(dev, t) + arm.round_seconds(rl + budget)
+            seconds = arm.sps.plain_seconds if plain else arm.round_seconds(rl + budget)
+            dev = max(dev, t) + seconds
             budgets.append(int(budget))
-            inflight.append(("round", dev, (rounds, survival, device_active.copy(), ended)))
+            read = None if plain else survival  # a plain round's survivals say nothing
+            inflight.append(("round", dev, (rounds, read, device_active.copy(), ended)))
             rounds += 1
             while len(inflight) > 1:
                 process(inflight.popleft())
