@@ -25,6 +25,7 @@ import re
 import sys
 import time
 
+from dspark_jax.cli import add_survival_estimator_argument
 from dspark_jax.decode.mesh import add_mesh_arguments, mesh_from_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,6 +55,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--drafter", default=DEFAULT_DRAFTER, help="drafter directory, or 'none' (no speculation)"
     )
+    add_survival_estimator_argument(p)
     p.add_argument(
         "--scheduler",
         default="topk",
@@ -249,7 +251,11 @@ def build_engine(args, drafter_dir, scheduler, models=None):
 
     mesh = mesh_from_args(args)
     models = models or load_models(
-        args.target, drafter_dir, dtype=getattr(args, "dtype", None), mesh=mesh
+        args.target,
+        drafter_dir,
+        dtype=getattr(args, "dtype", None),
+        mesh=mesh,
+        survival_estimator=getattr(args, "survival_estimator", None),
     )
     if args.max_len is None:
         choose_max_len(args, models)
@@ -258,13 +264,6 @@ def build_engine(args, drafter_dir, scheduler, models=None):
         scheduler = "none"
     elif scheduler == "none":
         drafter = dp = sts = None  # no drafter: its STS temperatures go with it
-    elif not drafter.config.has_confidence and scheduler in ("threshold", "prefix", "topk"):
-        print(
-            f"note: the {drafter.config.kind} drafter has no confidence head; using the "
-            f"fixed-length scheduler instead of {scheduler}",
-            file=sys.stderr,
-        )
-        scheduler = "fixed"
     name = args.model_name or os.path.basename(os.path.normpath(args.target))
     cfg = EngineConfig(
         num_slots=args.slots,
@@ -632,7 +631,13 @@ def load_for_serving(args, drafter_dir):
         )
     say(f"loading {what} ({dtype}){where}")
     t0 = time.perf_counter()
-    models = load_models(args.target, drafter_dir, dtype=args.dtype, mesh=mesh)
+    models = load_models(
+        args.target,
+        drafter_dir,
+        dtype=args.dtype,
+        mesh=mesh,
+        survival_estimator=args.survival_estimator,
+    )
     say(f"loaded in {time.perf_counter() - t0:.1f}s")
     choose_max_len(args, models)
 

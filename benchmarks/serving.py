@@ -214,7 +214,8 @@ def plot(results, out_dir):
         "serving_per_user.png": ("aggregate_tokens_per_second", "per_user_tokens_per_second"),
         "serving_verify_budget.png": ("concurrency", "mean_verify_budget_per_request"),
     }
-    prefix = results_stem(results["quick"], results.get("temperature", 0.0)) + "_"
+    stem = results.get("stem") or results_stem(results["quick"], results.get("temperature", 0.0))
+    prefix = stem + "_"
     for fname, (x, y) in figs.items():
         fname = fname.replace("serving_", prefix, 1)
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -254,6 +255,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--arms", default=None, help="comma list of schedulers/arm names to run")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument(
+        "--stem",
+        default=None,
+        help="result file stem (default serving / serving_t1 / serving_quick...); e.g. "
+        "serving_eagle3_t1 for a run of --drafter assets/drafters/eagle3",
+    )
     args = p.parse_args(argv)
     q = args.quick
     levels = [
@@ -287,7 +294,10 @@ def main(argv=None) -> int:
         "requests_per_client": per_client,
         "arms": {},
     }
-    fname = f"{results_stem(q, args.temperature)}.json"
+    stem = args.stem or results_stem(q, args.temperature)
+    results["stem"] = stem
+    results["drafter"] = None if q else os.path.relpath(args.drafter, os.path.dirname(HERE))
+    fname = f"{stem}.json"
     for name, scheduler, loader, plain_rounds in build_arms(args):
         target, tp, tok, drafter, dp, sts = loader()
         if not q and "target_weights" not in results:  # summarize checks which models

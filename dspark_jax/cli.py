@@ -58,3 +58,21 @@ def run_main(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
 
 
 __all__ = ["EXIT_USAGE", "TRACEBACK_ENV", "USER_ERRORS", "report_error", "run_main"]
+
+
+SURVIVAL_ESTIMATOR_CHOICES = ("auto", "confidence-head", "draft-probability")
+
+
+def add_survival_estimator_argument(parser, help_extra: str = "") -> None:
+    """``--survival-estimator``: where the schedulers' survivals come from
+    (``models.drafter_io.SURVIVAL_ESTIMATORS``), the same flag on every entry point."""
+    parser.add_argument(
+        "--survival-estimator",
+        default="auto",
+        choices=SURVIVAL_ESTIMATOR_CHOICES,
+        help="where the threshold/prefix/top-K schedulers' draft survivals come from: the "
+        "drafter's confidence head (DSpark), or the largest probability of its draft "
+        "distribution at each position (any drafter; calibrated by "
+        "<drafter>/sts_draft_probability.json when present). auto: the head where the "
+        "drafter has one, else the draft probability" + help_extra,
+    )

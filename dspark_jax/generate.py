@@ -41,6 +41,7 @@ import sys
 import jax
 import numpy as np
 
+from dspark_jax.cli import add_survival_estimator_argument
 from dspark_jax.decode.mesh import add_mesh_arguments
 
 __all__ = ["main", "parse_args", "read_prompts", "run"]
@@ -55,6 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--target", required=True, help="HF-style Qwen3 directory")
     p.add_argument("--drafter", default=None, help="drafter directory (omit: no speculation)")
+    add_survival_estimator_argument(p)
     p.add_argument("--prompts", required=True, help="JSONL file with a 'turns' list per line")
     p.add_argument("--out", required=True, help="output JSONL path")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -139,11 +141,11 @@ def run(args: argparse.Namespace) -> dict:
     tcfg, tparams, tok, target = loaded.config, loaded.params, loaded.tokenizer, loaded.module
     drafter = dparams = sts = None
     if args.drafter is not None:
-        d = load_drafter_dir(args.drafter, loaded)
+        d = load_drafter_dir(args.drafter, loaded, survival_estimator=args.survival_estimator)
         dparams = nn.unbox(d.params)
         if loaded.mesh is None:  # on a mesh the loader placed them already
             dparams = jax.device_put(dparams)
-        drafter, sts = d.module, d.sts
+        drafter, sts = d.module, d.calibration
     scheduler = args.scheduler or ("fixed" if drafter is not None else "none")
     if drafter is None and scheduler != "none":
         raise ValueError(f"--scheduler {scheduler} needs --drafter (without one use 'none')")
@@ -182,8 +184,7 @@ def run(args: argparse.Namespace) -> dict:
         drafter,
         dparams,
         config,
-        sts_temperatures=None if sts is None else sts.temperatures,
-        sts_biases=None if sts is None else sts.biases,
+        sts=sts,
         mesh=loaded.mesh,
     )
     runner = Runner(decoder, seed=args.seed)

@@ -99,7 +99,9 @@ def test_save_and_load_sts(tmp_path):
         tmp_path, res, data={"prompts": "synthetic"}, arrays={"logits": z, "accepted": acc}
     )
     assert path == tmp_path / "sts.json"
-    temps, biases = cal.load_sts(tmp_path, GAMMA)
+    sts = cal.load_sts(tmp_path, GAMMA)
+    temps, biases = sts.temperatures, sts.biases
+    assert sts.estimator == "confidence_head"
     np.testing.assert_allclose(temps, res.temperatures, rtol=1e-6)
     assert temps.dtype == np.float32
     np.testing.assert_array_equal(biases, np.zeros(GAMMA))  # temperature mode: no shift
@@ -109,6 +111,26 @@ def test_save_and_load_sts(tmp_path):
     assert (tmp_path / "sts_data.npz").is_file()
     with pytest.raises(ValueError, match="drafts 7 tokens"):
         cal.load_sts(tmp_path, 7)
+
+
+def test_each_survival_estimator_has_its_own_file(tmp_path):
+    """The draft-probability fit lives beside sts.json in its own file, loads only as that
+    estimate, and a file moved under the other name is refused by name."""
+    z, acc = _synthetic(500, sharpen=2.0, seed=4)
+    res = cal.fit_sts(z, acc)
+    path = cal.save_sts(tmp_path, res, arrays={"logits": z}, estimator="draft-probability")
+    assert path == tmp_path / "sts_draft_probability.json"
+    assert (tmp_path / "sts_draft_probability_data.npz").is_file()
+    assert cal.load_sts(tmp_path, GAMMA) is None  # the head's file is another one
+    sts = cal.load_sts(tmp_path, GAMMA, "draft_probability")
+    assert sts.estimator == "draft_probability"
+    np.testing.assert_allclose(sts.temperatures, res.temperatures, rtol=1e-6)
+    assert sts.first(2).estimator == "draft_probability"
+    path.rename(tmp_path / "sts.json")
+    with pytest.raises(ValueError, match="calibrates the 'draft_probability' survival"):
+        cal.load_sts(tmp_path, GAMMA)
+    with pytest.raises(ValueError, match="unknown survival estimator 'max-q'"):
+        cal.load_sts(tmp_path, GAMMA, "max-q")
 
 
 @pytest.mark.parametrize(
@@ -185,7 +207,7 @@ def test_affine_sts_round_trip(tmp_path):
     sts = cal.load_sts(tmp_path, GAMMA)
     np.testing.assert_allclose(sts.biases, res.biases, rtol=1e-6)
     np.testing.assert_allclose(
-        cal.survival_from_logits(z, *sts),
+        cal.survival_from_logits(z, sts.temperatures, sts.biases),
         np.cumprod(1 / (1 + np.exp(-(z / sts.temperatures + sts.biases))), axis=1),
         rtol=1e-6,
     )

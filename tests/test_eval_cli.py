@@ -181,6 +181,18 @@ def cli_run(workspace, tmp_path_factory):
     forced = io.StringIO()
     with contextlib.redirect_stdout(forced):
         cal_rc = main([*cal_argv, "--force"])
+    # The draft-probability estimate of the head-less DFlash drafter: refused from too few
+    # rounds (nothing written), then written where serving reads it.
+    dp_argv = [
+        "calibrate", *common, "--drafter", str(dflash), "--temperature", "1",
+        "--prompts", str(root / "gsm8k.jsonl"), "--survival-estimator", "draft-probability",
+        "--out", str(dflash),
+    ]  # fmt: skip
+    few = io.StringIO()
+    with contextlib.redirect_stderr(few):
+        few_rc = main([*dp_argv, "--min-fit-rounds", "100000"])
+    few_written = (dflash / "sts_draft_probability.json").exists()
+    dp_rc = main([*dp_argv, "--min-fit-rounds", "0", "--force"])
     results = out_dir / "results.json"
     acc_rc = main(
         [
@@ -205,6 +217,8 @@ def cli_run(workspace, tmp_path_factory):
         "forced_out": forced.getvalue(),
         "cal_rc": cal_rc,
         "acc_rc": acc_rc,
+        "draft_probability": (few_rc, few_written, few.getvalue(), dp_rc),
+        "dflash": dflash,
         "dspark": dspark,
         "results": results,
         "out_dir": out_dir,
@@ -225,6 +239,25 @@ def test_cli_calibrate_refuses_a_fit_that_makes_a_position_worse(cli_run):
     assert worse and all(f"k = {k} (" in line for k in worse)
     for row in sts["heldout_metrics"]:
         assert (row["ece_after"] > row["ece_before"]) == (row["position"] in worse)
+
+
+def test_cli_calibrates_the_draft_probability_of_a_headless_drafter(cli_run):
+    """calibrate --survival-estimator draft-probability on DFlash: a fit from too few rounds
+    is refused as for the head (nothing written); the fit lands in
+    sts_draft_probability.json, which acceptance then applies as that drafter's STS."""
+    few_rc, few_written, err, rc = cli_run["draft_probability"]
+    assert few_rc == 2 and not few_written
+    assert "decode rounds to fit" in err and "nothing was written" in err
+    assert rc == 0
+    payload = json.loads((cli_run["dflash"] / "sts_draft_probability.json").read_text())
+    assert payload["estimator"] == "draft_probability"
+    assert payload["data"]["survival_estimator"] == "draft_probability"
+    assert len(payload["temperatures"]) == GAMMA
+    assert not (cli_run["dflash"] / "sts.json").exists()
+    results = json.loads(cli_run["results"].read_text())["results"]
+    dflash = [e for e in results if e["drafter"] == "dflash"]
+    assert dflash and all(e["survival_estimator"] == "draft_probability" for e in dflash)
+    assert all(e["sts_applied_offline"] and e["calibration"]["sts"] for e in dflash)
 
 
 def test_cli_calibrate_writes_sts(cli_run):
@@ -279,8 +312,12 @@ def test_cli_acceptance_results(cli_run, workspace):
         ca = np.array([np.nan if x is None else x for x in e["conditional_acceptance"]])
         assert np.all((ca[~np.isnan(ca)] >= 0) & (ca[~np.isnan(ca)] <= 1))
         assert set(e["tau_ratio_to"]) == ({"dspark", "dflash"} - {e["drafter"]})
-    # Confidence metrics only for DSpark; raw and STS (from sts.json) from the same logits.
-    assert entries[2]["calibration"] is None
+    # Every drafter's survivals are scored: DSpark's confidence head, DFlash's draft
+    # probability (with its sts_draft_probability.json); raw and STS from the same logits.
+    assert [e["survival_estimator"] for e in entries] == ["confidence_head"] * 2 + [
+        "draft_probability"
+    ] * 2
+    assert entries[2]["calibration"]["sts"] is not None and "2/confidence_logits" in arrays
     calib = entries[0]["calibration"]
     assert entries[0]["sts_applied_offline"]
     z, a, v = (arrays[f"0/{k}"] for k in ("confidence_logits", "accepted", "verified"))
@@ -288,7 +325,8 @@ def test_cli_acceptance_results(cli_run, workspace):
     assert 0 < labels[observed].mean() < 1
     assert sum(calib["raw"]["reliability"]["count"]) == observed.sum()
     assert [p["n"] for p in calib["raw"]["per_position"]] == observed.sum(0).tolist()
-    temps, biases = cal.load_sts(cli_run["dspark"])
+    sts = cal.load_sts(cli_run["dspark"])
+    temps, biases = sts.temperatures, sts.biases
     np.testing.assert_allclose(calib["sts"]["temperatures"], temps, rtol=1e-6)
     np.testing.assert_allclose(calib["sts"]["biases"], biases, rtol=1e-6)
     a_sts = cal.survival_from_logits(z, temps, biases)
@@ -304,8 +342,12 @@ def test_cli_plot(cli_run, capsys):
     names = sorted(p.name for p in fig_dir.iterdir())
     assert names == [
         "position_acceptance.png",
+        "reliability_dflash_gsm8k_T1.png",
+        "reliability_dflash_humaneval_T1.png",
         "reliability_dspark_gsm8k_T1.png",
         "reliability_dspark_humaneval_T1.png",
+        "threshold_dflash_gsm8k_T1.png",
+        "threshold_dflash_humaneval_T1.png",
         "threshold_dspark_gsm8k_T1.png",
         "threshold_dspark_humaneval_T1.png",
     ]
@@ -329,7 +371,8 @@ def test_cli_errors(workspace, cli_run, tmp_path, capsys):
          "results file not found"),
         (acceptance(target, str(tmp_path / "nodrafter")), "does not exist"),
         (["calibrate", "--target", target, "--drafter", str(workspace["root"] / "dflash"),
-          "--prompts", prompts], "no confidence head"),
+          "--prompts", prompts, "--survival-estimator", "confidence-head"],
+         "no confidence head"),
     ]  # fmt: skip
     for argv, expected in cases:
         rc = main(argv)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from dspark_jax.convert.hf_qwen3 import load_hf
 from dspark_jax.models.drafter_io import (
@@ -21,6 +22,7 @@ from dspark_jax.models.drafter_io import (
     is_drafter_dir,
     load_drafter,
     load_sts,
+    resolve_estimator,
 )
 from dspark_jax.models.fingerprint import weights_fingerprint
 from dspark_jax.models.qwen3 import Qwen3, Qwen3Config
@@ -51,14 +53,26 @@ class LoadedTarget:
 
 @dataclasses.dataclass
 class LoadedDrafter:
-    """A drafter read from its directory for one target; ``sts`` is its confidence
-    calibration from ``sts.json`` (None without a confidence head or without the file)."""
+    """A drafter read from its directory for one target; ``survival_estimator`` says where
+    its survivals come from (``models.drafter_io.SURVIVAL_ESTIMATORS``) and ``sts`` is that
+    estimate's calibration (``sts.json`` or ``sts_draft_probability.json``; None without
+    the file)."""
 
     label: str
     module: Any
     params: Any
     path: str | None = None
     sts: STS | None = None
+    survival_estimator: str = "confidence_head"
+
+    @property
+    def calibration(self) -> STS:
+        """``sts``, or the identity map (T = 1, b = 0) for the same estimator: what the
+        decoder and the engine take as ``sts=``."""
+        if self.sts is not None:
+            return self.sts
+        g = self.draft_len
+        return STS(np.ones(g, np.float32), np.zeros(g, np.float32), self.survival_estimator)
 
     @property
     def config(self):
@@ -125,8 +139,11 @@ def load_drafter_dir(
     drafter_dir: str | os.PathLike,
     target: LoadedTarget | Qwen3Config,
     label: str | None = None,
+    survival_estimator: str | None = None,
 ) -> LoadedDrafter:
-    """The drafter in ``drafter_dir`` for ``target``, with its calibration. A
+    """The drafter in ``drafter_dir`` for ``target``, with the calibration of its survival
+    estimate (``survival_estimator``: None or ``auto`` picks the confidence head where the
+    drafter has one, else the draft probability; ``models.drafter_io.resolve_estimator``). A
     :class:`LoadedTarget` is checked by its shapes and its weights' fingerprint (a drafter
     trained against another checkpoint of the same architecture is refused); a bare
     ``Qwen3Config`` by its shapes only. A target read onto a mesh has its drafter read
@@ -137,6 +154,9 @@ def load_drafter_dir(
     else:
         module, params = load_drafter(path, target)
     drafter = LoadedDrafter(label or Path(path).name, module, params, path)
-    if drafter.has_confidence:
-        drafter.sts = load_sts(path, drafter.draft_len)
+    estimator = resolve_estimator(
+        survival_estimator, drafter.has_confidence, f"drafter {path} ({drafter.config.kind})"
+    )
+    drafter.survival_estimator = estimator
+    drafter.sts = load_sts(path, drafter.draft_len, estimator)
     return drafter

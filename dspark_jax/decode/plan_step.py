@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dspark_jax.decode.keys import select_keys
 from dspark_jax.decode.state import (
@@ -20,7 +21,7 @@ from dspark_jax.sharding import LOGICAL_RULES
 
 Array = jax.Array
 
-__all__ = ["draft", "no_drafts", "plan_step", "schedule"]
+__all__ = ["draft", "no_drafts", "plan_step", "schedule", "survival_logits"]
 
 
 def plan_step(
@@ -72,7 +73,6 @@ def plan_step(
 
 
 def draft(dec, params, state, key):
-    g, r = dec.gamma, dec.replica_slots  # per replica: the step runs on its block
     if dec.drafter is None:
         return no_drafts(dec)
     tp, dp = params[0], params[1]
@@ -99,12 +99,34 @@ def draft(dec, params, state, key):
         dec._lm_head_fn(tp),
         method="draft",
     )
-    if out.confidence_logits is None:
-        conf = jnp.ones((r, g), jnp.float32)
-    else:
-        z = out.confidence_logits.astype(jnp.float32)
-        conf = jax.nn.sigmoid(z / dec.sts_temperatures + dec.sts_biases)
+    z = survival_logits(out, dec.survival_estimator)
+    conf = jax.nn.sigmoid(z / dec.sts_temperatures + dec.sts_biases)
     return out.tokens.astype(jnp.int32), out.probs, conf, out
+
+
+# float32 σ saturates at 1 - 2^-24: a draft probability of 1 maps to the logit σ⁻¹ of that
+# (≈ 16.6), the same clip ``eval.calibration`` applies to recorded survivals.
+_MAX_LOGPROB = float(np.log1p(-(2.0**-24)))
+
+
+def survival_logits(out, estimator: str) -> Array:
+    """``z_k`` ``[R, G]`` whose calibrated ``σ(z_k / T_k + b_k)`` is the conditional survival
+    ``c_k`` of draft k (DESIGN §3.4), for the named estimator:
+
+    * ``confidence_head``: the head's logit (DSpark);
+    * ``draft_probability``: ``logit(max_v q_k(v))``, the largest probability of the
+      drafter's untempered distribution at position k. Uncalibrated (T = 1, b = 0) it *is*
+      ``max q_k``: the chance that a target which agreed with the drafter's ranking keeps
+      its top token. It is fixed before ``x_k`` is drawn, so like the head it depends on
+      ``x_{<k}`` only; the drafted token's own probability ``q_k(x_k)`` would let ``x_k``
+      decide its own admission at T > 0 (DESIGN §5.4; a test shows the difference).
+    """
+    if estimator == "confidence_head":
+        if out.confidence_logits is None:
+            raise ValueError("the confidence-head survival estimate needs a confidence head")
+        return out.confidence_logits.astype(jnp.float32)
+    lp = jnp.minimum(out.max_logprobs.astype(jnp.float32), _MAX_LOGPROB)
+    return lp - jnp.log(-jnp.expm1(lp))  # logit(p) = log p - log(1 - p), p = exp(lp)
 
 
 def no_drafts(dec):

@@ -89,6 +89,7 @@ from dspark_jax.decode.state import (  # noqa: F401
     StepConfig,
     request_key_data,
 )
+from dspark_jax.models.drafter_io import resolve_estimator
 from dspark_jax.models.qwen3 import Qwen3, init_cache
 from dspark_jax.ops.paged_attention import (
     NULL_PAGE,
@@ -110,7 +111,11 @@ class SpeculativeDecoder:
 
     ``drafter`` may be ``None`` (plain decoding through the same machinery: every round
     verifies only the anchor). ``sts_temperatures`` and ``sts_biases`` (``[G]`` each, from
-    ``eval.calibration.load_sts``) calibrate confidences as ``σ(z / T + b)``.
+    ``eval.calibration.load_sts``) calibrate confidences as ``σ(z / T + b)``, where ``z``
+    is the estimate ``survival_estimator`` names (``models.drafter_io.SURVIVAL_ESTIMATORS``):
+    the confidence head's logit, or ``logit(max_v q_k(v))`` of the draft distribution
+    (None: the head where the drafter has one, else the draft probability). ``sts``: an
+    ``STS`` (``LoadedDrafter.calibration``) in place of the three.
     """
 
     def __init__(
@@ -124,7 +129,21 @@ class SpeculativeDecoder:
         sts_temperatures=None,
         sts_biases=None,
         mesh=None,
+        survival_estimator: str | None = None,
+        sts=None,
     ):
+        if sts is not None:
+            if sts_temperatures is not None or sts_biases is not None:
+                raise ValueError("pass sts= or sts_temperatures=/sts_biases=, not both")
+            sts_temperatures, sts_biases = sts.temperatures, sts.biases
+            if survival_estimator is not None and survival_estimator != sts.estimator:
+                raise ValueError(
+                    f"survival_estimator {survival_estimator!r} but the STS calibrates "
+                    f"{sts.estimator!r}"
+                )
+            survival_estimator = sts.estimator
+        has_head = drafter is not None and bool(drafter.config.has_confidence)
+        self.survival_estimator = resolve_estimator(survival_estimator, has_head)
         self.target = target
         self.drafter = drafter
         self.config = config
@@ -191,10 +210,11 @@ class SpeculativeDecoder:
             self.next_token_states = dcfg.next_token_states
             self.query_dim = dcfg.query_width(tcfg)
             self.has_confidence = dcfg.has_confidence
-        if config.scheduler in ("threshold", "prefix", "topk") and not self.has_confidence:
+        # Every drafter has survivals (a drafter without a confidence head gets the
+        # draft-probability estimate), so only plain decoding lacks them.
+        if config.scheduler in ("threshold", "prefix", "topk") and drafter is None:
             raise ValueError(
-                f"scheduler {config.scheduler!r} needs a drafter with a confidence head "
-                f"(DSpark); this drafter is {self.kind!r}. Use 'fixed' or 'none'."
+                f"scheduler {config.scheduler!r} needs a drafter; without one use 'none'"
             )
         g = self.gamma
         # SPS(B) of one replica (each is one server of Algorithm 1): B = 0 … R/D·(G+1).

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_jax.cli import add_survival_estimator_argument
 from dspark_jax.decode.mesh import add_mesh_arguments, mesh_from_args
 
 # 20 ECE bins need ~10 rounds each before a bin's accuracy means anything.
@@ -95,9 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.add_argument("--out", required=True, help="results JSON (a .rounds.npz is written beside)")
 
-    c = sub.add_parser("calibrate", help="fit STS temperatures; writes --out (an sts.json)")
+    c = sub.add_parser(
+        "calibrate",
+        help="fit STS temperatures of a survival estimate; writes --out (an sts.json)",
+    )
     _add_common(c)
     c.add_argument("--drafter", required=True, metavar="DIR")
+    add_survival_estimator_argument(
+        c,
+        "; calibrating the draft probability writes sts_draft_probability.json, which "
+        "serving reads for that estimate",
+    )
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument(
         "--split-fraction",
@@ -109,9 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--out",
         default=None,
-        help="STS file to write (default: sts_<drafter name>.json in the current directory); "
-        "serving reads <drafter>/sts.json, so pass --out <drafter>/sts.json --overwrite to "
-        "replace a drafter's calibration. Label arrays go beside it (<stem>_data.npz)",
+        help="STS file to write (default: sts_<drafter name>.json in the current directory, "
+        "sts_draft_probability_<drafter name>.json for that estimate); serving reads "
+        "<drafter>/sts.json (<drafter>/sts_draft_probability.json), so pass --out <drafter> "
+        "--overwrite to replace a drafter's calibration. Label arrays go beside it "
+        "(<stem>_data.npz)",
     )
     c.add_argument(
         "--overwrite", action="store_true", help="replace --out (and its arrays) if it exists"
@@ -227,9 +238,17 @@ def cmd_calibrate(args) -> int:
         raise ValueError(f"--bins must be >= 2, got {args.bins}")
     if args.min_fit_rounds < 0:
         raise ValueError(f"--min-fit-rounds must be >= 0, got {args.min_fit_rounds}")
-    out = Path(args.out or f"sts_{Path(args.drafter).name or 'drafter'}.json")
+    # The estimator is known from the directory alone (whether it has a confidence head),
+    # so the output is checked before anything is loaded.
+    from dspark_jax.models.drafter_io import resolve_estimator, sts_path
+
+    estimator = resolve_estimator(
+        args.survival_estimator, _has_confidence_head(args.drafter), f"drafter {args.drafter}"
+    )
+    stem = "sts" if estimator == "confidence_head" else "sts_draft_probability"
+    out = Path(args.out or f"{stem}_{Path(args.drafter).name or 'drafter'}.json")
     if out.is_dir():
-        out = cal.sts_path(out)
+        out = sts_path(out, estimator)
     if not args.overwrite:
         cal.check_new_file(out)  # before decoding: fail fast, not after the expensive part
     sets = _load_sets(args)
@@ -240,12 +259,7 @@ def cmd_calibrate(args) -> int:
         held_prompts += h
     _say(f"loading target {args.target} and drafter {args.drafter}")
     target = load_target(args.target, mesh=mesh_from_args(args))
-    spec = load_drafter_dir(args.drafter, target)
-    if not spec.has_confidence:
-        raise ValueError(
-            f"drafter {args.drafter} ({spec.config.kind}) has no confidence head; STS "
-            "calibrates DSpark confidences only"
-        )
+    spec = load_drafter_dir(args.drafter, target, survival_estimator=estimator)
     g = acc.effective_gamma(spec, args.gamma)
     prompts = fit_prompts + held_prompts
     room = target.config.max_position_embeddings - args.max_new_tokens - g - 2
@@ -321,6 +335,7 @@ def cmd_calibrate(args) -> int:
         "bins": args.bins,
         "mode": args.mode,
         "scheduler": "fixed",
+        "survival_estimator": estimator,
     }
     arrays = {
         "fit_logits": fit.logits.astype(np.float32),
@@ -405,12 +420,25 @@ def cmd_calibrate(args) -> int:
         data=data,
         arrays=arrays,
         overwrite=args.overwrite,
+        estimator=estimator,
     )
 
     print(f"wrote {path}")
-    if path.resolve() != cal.sts_path(args.drafter).resolve():
-        print(f"serving reads {cal.sts_path(args.drafter)}; copy the file there to use it")
+    serving_reads = sts_path(args.drafter, estimator)
+    if path.resolve() != serving_reads.resolve():
+        print(f"serving reads {serving_reads}; copy the file there to use it")
     return 0
+
+
+def _has_confidence_head(drafter_dir) -> bool:
+    """Whether the drafter directory's config has a confidence head (a missing or broken
+    directory is left to the loader, which names the problem)."""
+    from dspark_jax.models.drafter_io import read_drafter_config
+
+    try:
+        return bool(read_drafter_config(drafter_dir).has_confidence)
+    except (OSError, ValueError):
+        return True
 
 
 def worse_positions(held_report) -> list[dict]:

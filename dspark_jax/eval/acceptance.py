@@ -53,7 +53,7 @@ class RoundRecords:
     prompt_index: np.ndarray  # [N] index into the prompt list
     accepted: np.ndarray  # [N]
     verified: np.ndarray  # [N]
-    logits: np.ndarray | None  # [N, γ] raw confidence logits (None without confidence)
+    logits: np.ndarray | None  # [N, γ] raw survival logits z_k of the decoder's estimator
     gamma: int
     num_prompts: int
     generated_tokens: np.ndarray  # [num_prompts]
@@ -112,6 +112,8 @@ def make_decoder(
     slots: int,
     max_len: int,
 ) -> SpeculativeDecoder:
+    """A fixed-block decoder for ``drafter``: every draft verified, survivals recorded from
+    ``drafter.survival_estimator`` with STS off."""
     cfg = StepConfig(
         num_slots=slots,
         max_len=max_len,
@@ -122,7 +124,13 @@ def make_decoder(
     )
     # STS off while decoding: the fixed arm ignores confidences, and raw logits are needed.
     return SpeculativeDecoder(
-        target.module, target.params, drafter.module, drafter.params, cfg, mesh=target.mesh
+        target.module,
+        target.params,
+        drafter.module,
+        drafter.params,
+        cfg,
+        mesh=target.mesh,
+        survival_estimator=drafter.survival_estimator,
     )
 
 
@@ -199,7 +207,7 @@ def calibration_summary(
 ) -> dict[str, Any]:
     """Per-position ECE/AUROC/Brier, pooled ECE and reliability bins for one calibration
     (``sts`` None: raw confidences)."""
-    temps, biases = (None, None) if sts is None else sts
+    temps, biases = (None, None) if sts is None else (sts.temperatures, sts.biases)
     a = cal.survival_from_logits(logits, temps, biases)
     conf, labels = metrics.pooled_scores(a, accepted, verified)
     return {
@@ -317,7 +325,6 @@ def evaluate(
                     temperature=temp,
                     max_new_tokens=max_new_tokens,
                     seed=seed,
-                    has_confidence=d.has_confidence,
                     verification=rule,
                     progress=f"{d.label} {name} T={temp:g} {rule}" if progress_bars else None,
                 )
@@ -325,6 +332,7 @@ def evaluate(
                     "drafter": d.label,
                     "drafter_path": d.path,
                     "kind": d.config.kind,
+                    "survival_estimator": d.survival_estimator,
                     "prompt_set": name,
                     "num_prompts": len(ids),
                     "temperature": float(temp),
@@ -383,6 +391,7 @@ def run_metadata(target: LoadedTarget, drafters: Sequence[LoadedDrafter], args: 
                 "label": d.label,
                 "path": d.path,
                 "config": d.config.to_dict(),
+                "survival_estimator": d.survival_estimator,
                 "sts_temperatures": None if d.sts is None else d.sts.temperatures.tolist(),
                 "sts_biases": None if d.sts is None else d.sts.biases.tolist(),
             }

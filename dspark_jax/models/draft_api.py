@@ -91,6 +91,10 @@ class DraftOutput(NamedTuple):
       then σ), or ``None`` without a confidence head.
     context: the paged context K/V after the draft's writes (``DraftContext.cached``; the
       block K/V past each slot's context), which the caller keeps; else ``None``.
+    max_logprobs: ``[R, G]`` float32 ``log max_v q_k(v)`` of the *untempered* draft
+      distribution at each position (``ops.sampling.max_logprob``), the input of the
+      draft-probability survival estimate; it depends on ``x_{<k}`` only, never on the
+      drafted ``x_k`` (DESIGN §3.4's non-anticipation).
     """
 
     tokens: Array
@@ -98,6 +102,7 @@ class DraftOutput(NamedTuple):
     probs: Array
     confidence_logits: Array | None
     context: Array | None = None
+    max_logprobs: Array | None = None
 
     @property
     def confidence(self) -> Array | None:

@@ -16,6 +16,11 @@ Layout of ``<dir>``:
 * ``sts.json`` (optional): the confidence head's calibration (``eval.calibration`` fits
   it; ``load_sts`` reads it for the decoder and the engine), ``sts_data.npz`` beside it the
   labels it was fitted on.
+* ``sts_draft_probability.json`` (optional, any drafter kind): the same calibration of the
+  *draft-probability* survival estimate (``decode.plan_step``: ``c_k`` from the largest
+  probability of the drafter's own distribution at position k), which is how drafters
+  without a confidence head (DFlash, EAGLE-3, MTP-1) get survivals for the budgeted
+  schedulers; ``sts_draft_probability_data.npz`` beside it.
 
 Every reader and writer of a drafter directory goes through this module.
 """
@@ -41,11 +46,14 @@ __all__ = [
     "CONFIG_NAME",
     "STS",
     "STS_FILENAME",
+    "SURVIVAL_ESTIMATORS",
     "WEIGHTS_NAME",
     "drafter_dir_error",
     "is_drafter_dir",
     "load_drafter",
     "load_sts",
+    "read_drafter_config",
+    "resolve_estimator",
     "save_drafter",
     "save_sts",
     "sts_path",
@@ -58,11 +66,52 @@ FORMAT_VERSION = 3
 _READS_FORMATS = (1, 2, 3)
 _TARGET_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers")
 STS_FILENAME = "sts.json"
+# Where a drafter's survival c_k comes from (``decode.plan_step.draft``), and the file
+# beside the weights that calibrates each: the confidence head's logit z_k (DESIGN §3.4),
+# or logit(max_v q_k(v)) of the drafter's untempered distribution at position k.
+SURVIVAL_ESTIMATORS = ("confidence_head", "draft_probability")
+STS_FILENAMES = {
+    "confidence_head": STS_FILENAME,
+    "draft_probability": "sts_draft_probability.json",
+}
+
+
+def resolve_estimator(estimator: str | None, has_confidence: bool, drafter: str = "drafter") -> str:
+    """The survival estimator to use: ``None``/``"auto"`` picks the confidence head where
+    the drafter has one, else the draft probability; an explicit choice is checked (the
+    CLI's dashes are accepted: ``draft-probability``)."""
+    if estimator in (None, "auto"):
+        return "confidence_head" if has_confidence else "draft_probability"
+    name = estimator.replace("-", "_")
+    if name not in SURVIVAL_ESTIMATORS:
+        allowed = ", ".join(["auto"] + [e.replace("_", "-") for e in SURVIVAL_ESTIMATORS])
+        raise ValueError(f"unknown survival estimator {estimator!r}; allowed: {allowed}")
+    if name == "confidence_head" and not has_confidence:
+        raise ValueError(
+            f"{drafter} has no confidence head; use the draft-probability survival estimate "
+            "(--survival-estimator draft-probability, or auto)"
+        )
+    return name
 
 
 def is_drafter_dir(path: str | os.PathLike) -> bool:
     """Whether ``path`` looks like a drafter directory (it holds ``drafter_config.json``)."""
     return os.path.isfile(os.path.join(os.fspath(path), CONFIG_NAME))
+
+
+def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
+    """The ``DrafterConfig`` of a drafter directory, without its weights or a target."""
+    config_path = os.path.join(os.fspath(path), CONFIG_NAME)
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"Drafter directory {path} has no {CONFIG_NAME}")
+    try:
+        with open(config_path) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from e
+    if not isinstance(meta, dict) or "drafter" not in meta:
+        raise ValueError(f"{config_path} must hold a 'drafter' entry")
+    return DrafterConfig.from_dict(meta["drafter"])
 
 
 def drafter_dir_error(
@@ -276,10 +325,11 @@ class STS(NamedTuple):
 
     temperatures: np.ndarray  # [γ], > 0
     biases: np.ndarray  # [γ]; all zero for DESIGN's temperature-only STS
+    estimator: str = "confidence_head"  # which z it calibrates (SURVIVAL_ESTIMATORS)
 
     def first(self, n: int) -> STS:
         """The calibration of the first ``n`` positions (a run drafting fewer than γ)."""
-        return STS(np.asarray(self.temperatures)[:n], np.asarray(self.biases)[:n])
+        return STS(np.asarray(self.temperatures)[:n], np.asarray(self.biases)[:n], self.estimator)
 
 
 def check_temperatures(temperatures, gamma: int) -> np.ndarray:
@@ -302,9 +352,9 @@ def check_biases(biases, gamma: int) -> np.ndarray:
     return b
 
 
-def sts_path(drafter_dir: str | os.PathLike) -> Path:
-    """Where the decoder and the engine read a drafter's calibration."""
-    return Path(drafter_dir) / STS_FILENAME
+def sts_path(drafter_dir: str | os.PathLike, estimator: str = "confidence_head") -> Path:
+    """Where the decoder and the engine read a drafter's calibration of ``estimator``."""
+    return Path(drafter_dir) / STS_FILENAMES[resolve_estimator(estimator, True)]
 
 
 def check_new_file(path: str | os.PathLike) -> None:
@@ -331,24 +381,28 @@ def save_sts(
     data: dict[str, Any] | None = None,
     arrays: dict[str, np.ndarray] | None = None,
     overwrite: bool = False,
+    estimator: str = "confidence_head",
 ) -> Path:
     """Write the STS file ``path`` (a ``.json`` file, or a directory: ``<dir>/sts.json``,
-    where the decoder and engine look for it) and, with ``arrays``, the labels beside it
-    (``<stem>_data.npz``). An existing file is replaced only with ``overwrite``.
+    or ``<dir>/sts_draft_probability.json`` for that ``estimator``, where the decoder and
+    engine look for it) and, with ``arrays``, the labels beside it (``<stem>_data.npz``).
+    An existing file is replaced only with ``overwrite``.
 
     ``heldout``: per-position before/after metrics on the reporting split;
     ``fit_report``: AUROC etc. on the fit split; ``data``: a description of the prompts
     and decode settings the labels came from.
     """
     path = Path(path)
+    estimator = resolve_estimator(estimator, True)
     if path.is_dir():
-        path = sts_path(path)
+        path = sts_path(path, estimator)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot write {path}: directory {path.parent} does not exist")
     if not overwrite:
         check_new_file(path)
     payload: dict[str, Any] = {
         "format": "dspark_jax.sts/1",
+        "estimator": estimator,
         "gamma": len(result.temperatures),
         "mode": result.mode,
         "temperatures": result.temperatures,
@@ -367,15 +421,20 @@ def save_sts(
     return path
 
 
-def load_sts(drafter_dir: str | os.PathLike, gamma: int | None = None) -> STS | None:
-    """``STS(temperatures, biases)`` (each ``[γ]``) from ``<drafter_dir>/sts.json``, or None
-    when there is none. Files without ``biases`` (temperature-only STS) get zeros.
+def load_sts(
+    drafter_dir: str | os.PathLike,
+    gamma: int | None = None,
+    estimator: str = "confidence_head",
+) -> STS | None:
+    """``STS(temperatures, biases, estimator)`` (each ``[γ]``) from the drafter's file for
+    ``estimator`` (``sts.json``, or ``sts_draft_probability.json``), or None when there is
+    none. Files without ``biases`` (temperature-only STS) get zeros.
 
-    Pass the fields as ``sts_temperatures=`` / ``sts_biases=`` to ``SpeculativeDecoder``
-    (or the tuple as ``sts=`` to the serving ``Engine``). ``gamma`` (the drafter's draft
-    length), when given, is checked against the file.
+    Pass it as ``sts=`` to ``SpeculativeDecoder`` or the serving ``Engine``. ``gamma`` (the
+    drafter's draft length), when given, is checked against the file.
     """
-    path = sts_path(drafter_dir)
+    estimator = resolve_estimator(estimator, True)
+    path = sts_path(drafter_dir, estimator)
     if not path.is_file():
         return None
     try:
@@ -384,6 +443,13 @@ def load_sts(drafter_dir: str | os.PathLike, gamma: int | None = None) -> STS | 
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(payload, dict) or "temperatures" not in payload:
         raise ValueError(f"{path} has no 'temperatures' list")
+    # Files written before the draft-probability estimate existed calibrate the head.
+    written_for = payload.get("estimator", "confidence_head")
+    if written_for != estimator:
+        raise ValueError(
+            f"{path} calibrates the {written_for!r} survival estimate, not {estimator!r}: "
+            f"the {estimator!r} calibration belongs in {STS_FILENAMES[estimator]}"
+        )
     temps = payload["temperatures"]
     if not isinstance(temps, list) or not temps:
         raise ValueError(f"{path}: 'temperatures' must be a non-empty list, got {temps!r}")
@@ -399,6 +465,7 @@ def load_sts(drafter_dir: str | os.PathLike, gamma: int | None = None) -> STS | 
         return STS(
             check_temperatures(temps, n).astype(np.float32),
             check_biases(biases, n).astype(np.float32),
+            estimator,
         )
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None

@@ -51,7 +51,7 @@ def sample_scan(step_fn, prev0, extra0, per_step, rng, gamma, sampling: Sampling
     ``step_fn(prev [R], extra, xs) -> (extra, logits [R, V], conf [R] | None)`` is pure (no
     Linen module calls). ``prev`` starts at ``prev0`` (the anchor) and is then the token
     just sampled. Returns tokens/token_probs ``[R, γ]``, probs ``[R, γ, V]``, conf
-    ``[R, γ]`` or ``None``.
+    ``[R, γ]`` or ``None``, and each position's ``max_logprob`` ``[R, γ]``.
     """
     keys = split_keys(rng, gamma)
 
@@ -59,12 +59,12 @@ def sample_scan(step_fn, prev0, extra0, per_step, rng, gamma, sampling: Sampling
         prev, extra = carry
         key, inner = xs
         extra, logits, conf = step_fn(prev, extra, inner)
-        tok, p_tok, probs = sampling.draw(key, logits)
-        return (tok, extra), (tok, p_tok, probs, conf)
+        tok, p_tok, probs, top = sampling.draw(key, logits)
+        return (tok, extra), (tok, p_tok, probs, conf, top)
 
-    _, (toks, p_toks, probs, confs) = jax.lax.scan(body, (prev0, extra0), (keys, per_step))
+    _, (toks, p_toks, probs, confs, tops) = jax.lax.scan(body, (prev0, extra0), (keys, per_step))
     confs = None if confs is None else confs.T
-    return toks.T, p_toks.T, jnp.swapaxes(probs, 0, 1), confs
+    return toks.T, p_toks.T, jnp.swapaxes(probs, 0, 1), confs, tops.T
 
 
 class DSparkDrafter(DrafterModule):
@@ -262,7 +262,7 @@ class DSparkDrafter(DrafterModule):
             return state, logits, conf
 
         state0 = H.init_state(kind, head_t, (r,)) if head_t is not None else jnp.zeros((r, 0))
-        toks, p_toks, probs, confs = sample_scan(
+        toks, p_toks, probs, confs, tops = sample_scan(
             step,
             anchor_tokens.astype(jnp.int32),
             state0,
@@ -271,4 +271,4 @@ class DSparkDrafter(DrafterModule):
             cfg.gamma,
             sampling,
         )
-        return DraftOutput(toks, p_toks, probs, confs)
+        return DraftOutput(toks, p_toks, probs, confs, max_logprobs=tops)

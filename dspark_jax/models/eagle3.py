@@ -215,9 +215,11 @@ class Eagle3Drafter(DrafterModule):
         def pick(hn_q, key):
             return sampling.draw(key, apply_lm_head(lm_head, hn_q[:, 0], tgt.vocab_size))
 
-        tok0, p0, probs0 = pick(hn, keys[0])
+        tok0, p0, probs0, top0 = pick(hn, keys[0])
         if gamma == 1:
-            return DraftOutput(tok0[:, None], p0[:, None], probs0[:, None], None)
+            return DraftOutput(
+                tok0[:, None], p0[:, None], probs0[:, None], None, max_logprobs=top0[:, None]
+            )
 
         kvh, hd = tgt.num_key_value_heads, tgt.head_dim
         chain0 = jnp.zeros((r, 1, gamma - 1, kvh, hd), k_all.dtype)
@@ -236,8 +238,8 @@ class Eagle3Drafter(DrafterModule):
             )
             ck = jax.lax.dynamic_update_slice_in_dim(ck, k[:, :, None].astype(ck.dtype), i - 1, 2)
             cv = jax.lax.dynamic_update_slice_in_dim(cv, v[:, :, None].astype(cv.dtype), i - 1, 2)
-            tok, p_tok, probs = pick(hn_new, key)
-            return (tok, h_new, ck, cv, i + 1), (tok, p_tok, probs)
+            tok, p_tok, probs, top = pick(hn_new, key)
+            return (tok, h_new, ck, cv, i + 1), (tok, p_tok, probs, top)
 
         scan = nn.scan(
             body,
@@ -246,11 +248,12 @@ class Eagle3Drafter(DrafterModule):
             length=gamma - 1,
         )
         carry0 = (tok0, h, chain0, chain0, jnp.int32(1))
-        _, (toks, p_toks, probs) = scan(self.core, carry0, keys[1:])
+        _, (toks, p_toks, probs, tops) = scan(self.core, carry0, keys[1:])
         tokens = jnp.concatenate([tok0[:, None], toks.T], axis=1)
         token_probs = jnp.concatenate([p0[:, None], p_toks.T], axis=1)
         all_probs = jnp.concatenate([probs0[:, None], jnp.swapaxes(probs, 0, 1)], axis=1)
-        return DraftOutput(tokens, token_probs, all_probs, None)
+        tops = jnp.concatenate([top0[:, None], tops.T], axis=1)
+        return DraftOutput(tokens, token_probs, all_probs, None, max_logprobs=tops)
 
     def _draft_cached(self, context, anchor_tokens, rng, sampling, embed, lm_head):
         """``_draft`` over the paged states: the first query is the slot's last context state
@@ -278,5 +281,5 @@ class Eagle3Drafter(DrafterModule):
                     table, writable, attn, axis,
                 )  # fmt: skip
             outs.append(sampling.draw(keys[i], apply_lm_head(lm_head, hn[:, 0], tgt.vocab_size)))
-        tokens, token_probs, probs = (jnp.stack(x, axis=1) for x in zip(*outs))
-        return DraftOutput(tokens, token_probs, probs, None, pages.reshape(shape))
+        tokens, token_probs, probs, tops = (jnp.stack(x, axis=1) for x in zip(*outs))
+        return DraftOutput(tokens, token_probs, probs, None, pages.reshape(shape), tops)

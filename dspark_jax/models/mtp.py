@@ -132,5 +132,7 @@ class MTPDrafter(DrafterModule):
 
     def _sample(self, h, rng, sampling, lm_head) -> DraftOutput:
         logits = apply_lm_head(lm_head, self.norm(h), self.target.vocab_size)  # [R, 1, V]
-        tok, p_tok, probs = sampling.draw(split_keys(rng, 1)[0], logits[:, 0])
-        return DraftOutput(tok[:, None], p_tok[:, None], probs[:, None], None)
+        tok, p_tok, probs, top = sampling.draw(split_keys(rng, 1)[0], logits[:, 0])
+        return DraftOutput(
+            tok[:, None], p_tok[:, None], probs[:, None], None, max_logprobs=top[:, None]
+        )

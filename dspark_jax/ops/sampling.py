@@ -195,7 +195,18 @@ class SamplingSettings:
 
     def draw(self, rng: jax.Array, logits: jax.Array):
         """One token per row of ``logits [R, V]``: ``(tokens [R], their probabilities [R],
-        the processed distribution [R, V])``."""
+        the processed distribution [R, V], max_logprob(logits) [R])``."""
         probs = self.probs(logits)
         tok = sample(rng, probs)
-        return tok, jnp.take_along_axis(probs, tok[:, None], axis=-1)[:, 0], probs
+        p_tok = jnp.take_along_axis(probs, tok[:, None], axis=-1)[:, 0]
+        return tok, p_tok, probs, max_logprob(logits)
+
+
+def max_logprob(logits: jax.Array) -> jax.Array:
+    """``log max_v softmax(logits)_v`` over the last axis, in float32: the largest
+    probability of the *untempered* distribution (no temperature, top-k or top-p), known
+    before a token is drawn from it. The drafters' survival estimate without a confidence
+    head (``decode.plan_step``) reads it; at temperature 0 it is the drafted token's own
+    probability, which the processed distribution (a point mass) no longer shows."""
+    x = logits.astype(jnp.float32)
+    return jnp.max(x, axis=-1) - jax.nn.logsumexp(x, axis=-1)

@@ -122,8 +122,7 @@ class Engine(Service):
             drafter,
             drafter_params,
             cfg.step_config(scheduler, tokenizer.eos_id),
-            sts_temperatures=None if sts is None else sts.temperatures,
-            sts_biases=None if sts is None else sts.biases,
+            sts=sts,  # the survival estimate's calibration (LoadedDrafter.calibration)
             mesh=mesh,  # tensor parallel (decode/mesh.py); None: one device
         )
         check_fits(self.decoder)  # before compiling: an error that says what to try
