@@ -527,8 +527,15 @@ def test_errors_name_the_problem(target):
     model, params = target
     dflash, dfp = _drafter("dflash")
     for mode in ("threshold", "prefix", "topk"):
-        with pytest.raises(ValueError, match="confidence head"):
-            SpeculativeDecoder(model, params, dflash, dfp, StepConfig(1, 16, scheduler=mode))
+        # Without a drafter there is nothing to schedule; without a head, the
+        # confidence-head estimate is refused (the draft probability is the default).
+        with pytest.raises(ValueError, match=f"scheduler '{mode}' needs a drafter"):
+            SpeculativeDecoder(model, params, None, None, StepConfig(1, 16, scheduler=mode))
+        with pytest.raises(ValueError, match="has no confidence head"):
+            SpeculativeDecoder(
+                model, params, dflash, dfp, StepConfig(1, 16, scheduler=mode),
+                survival_estimator="confidence_head",
+            )  # fmt: skip
     with pytest.raises(ValueError, match="Unknown scheduler 'greedy'"):
         StepConfig(1, 16, scheduler="greedy")
     dspark, dsp = _drafter("dspark")
