@@ -90,7 +90,9 @@ def load_traces(drafter: str, temperature: float = 1.0, results_dir: str = RESUL
             if e["prompt_set"] not in SERVING_SETS:
                 continue
             gamma = 1 if e["kind"] == "mtp1" else e["gamma"]
-            sts = load_sts(os.path.join(REPO, e["drafter_path"]), gamma)
+            # Records written before every drafter had a survival estimate name none.
+            estimator = e.get("survival_estimator", "confidence_head")
+            sts = load_sts(os.path.join(REPO, e["drafter_path"]), gamma, estimator)
             z = rounds[f"{i}/confidence_logits"] if f"{i}/confidence_logits" in rounds else None
             by_set[e["prompt_set"]] = traces_from_records(
                 rounds[f"{i}/prompt_index"],
@@ -162,12 +164,19 @@ def validate(args) -> dict:
             "SPS and prefill tables the simulator replays)"
         )
     temperature = bench.get("temperature", 0.0)
-    traces = {
-        "dspark": load_traces("dspark", temperature),
-        "mtp1": load_traces("mtp1", temperature),
-    }
+    # The benchmark's --drafter runs the arms ARMS names "dspark" (e.g. EAGLE-3's own run:
+    # serving.py --drafter assets/drafters/eagle3 --stem serving_eagle3_t1).
+    main_drafter = os.path.basename(os.path.normpath(bench.get("drafter") or "dspark"))
+    traces = {"dspark": load_traces(main_drafter, temperature)}
+    if "MTP-1" in bench["arms"]:
+        traces["mtp1"] = load_traces("mtp1", temperature)
     traces[None] = no_speculation_traces(traces["dspark"])
-    out = {"serving": os.path.relpath(args.serving, REPO), "arms": {}, "measured": {}}
+    out = {
+        "serving": os.path.relpath(args.serving, REPO),
+        "drafter": main_drafter,
+        "arms": {},
+        "measured": {},
+    }
     for name, _, drafter, _ in ARMS:
         if name not in bench["arms"]:
             continue
@@ -251,11 +260,18 @@ def validate(args) -> dict:
 
 def validation_markdown(res: dict) -> str:
     lines = [
-        "# Serving simulator vs the CPU serving benchmark",
+        "# Serving simulator vs the CPU serving benchmark"
+        + ("" if res.get("drafter", "dspark") == "dspark" else f" ({res['drafter']})"),
         "",
-        f"Produced by `python benchmarks/serving_sim.py --validate` from `{res['serving']}` "
+        f"Produced by `python benchmarks/serving_sim.py --validate --serving {res['serving']}` "
         "(its SPS tables, measured prefill times, settings and host time per round) and the "
-        "T = 1 acceptance records of the same drafters. Aggregate tokens/s.",
+        "T = 1 acceptance records of the same drafters"
+        + (
+            ""
+            if res.get("drafter", "dspark") == "dspark"
+            else f" (the {res['drafter']} drafter runs every drafting arm but MTP-1)"
+        )
+        + ". Aggregate tokens/s.",
         "",
         "| arm | concurrency | measured | simulated | simulated / measured | sim τ | "
         "sim verify / round |",

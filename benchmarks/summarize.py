@@ -68,9 +68,11 @@ MANIFEST = (
         Entry((R + "drafter_data_curve.json",), training.data_curve),
         Entry((R + "drafter_ablation.json",), training.ablation),
     )),
-    Page("calibration.md", "Calibration", "the bundled DSpark drafter's STS fit per position", (
+    Page("calibration.md", "Calibration", "the bundled DSpark drafter's STS fit per position, "
+         "and every drafter's draft-probability survival estimate against it", (
         Entry(("assets/drafters/dspark/sts.json", "assets/drafters/dspark/sts_data.npz"),
               calibration.calibration),
+        Entry((R + "survival_estimators*.json",), calibration.survival_estimators),
     )),
     Page("round-cost.md", "Round cost", "verify cost and step anatomy on CPU, the H200 "
          "measurements, serving options per round, compile time", (

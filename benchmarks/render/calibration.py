@@ -129,3 +129,67 @@ def calibration_section(sts, sts_dir=common.ROOT / "assets" / "drafters" / "dspa
 def calibration(results: pathlib.Path) -> list[str]:
     sts_dir = common.ROOT / "assets" / "drafters" / "dspark"
     return calibration_section(common.load(sts_dir / "sts.json"), sts_dir)
+
+
+def survival_estimators(results: pathlib.Path) -> list[str]:
+    """The draft-probability estimate per bundled drafter against DSpark's head
+    (``benchmarks/survival_estimators.py``): the shipped fits, then any comparison runs."""
+    out = ["## Survival estimates side by side", ""]
+    files = sorted(results.glob("survival_estimators*.json"))
+    if not files:
+        return out + ["No `survival_estimators.json` yet.", ""]
+    for path in files:
+        out += _survival_table(common.load(path))
+    return out
+
+
+def _survival_table(res: dict) -> list[str]:
+    st = res["settings"]
+    where = (
+        "The fits are the files serving reads "
+        "(`assets/drafters/<name>/sts_draft_probability.json`; DSpark's head: its `sts.json`)."
+        if res.get("shipped", True)
+        else "A comparison run: the fits (DSpark's head refitted with the same settings "
+        "included) are written beside the result, not into the drafters."
+    )
+    out = [
+        f"### T = {st['temperature']:g}",
+        "",
+        "Each drafter's draft-probability estimate (`c_k` from `max_v q_k(v)`, its own "
+        "untempered draft distribution at position k; "
+        f"[design]({common.TO_ROOT}/docs/design/scheduling.md#survivals-for-every-drafter-decodeplan_steppy-survival_logits-our-addition)) "
+        "calibrated by STS exactly as the head "
+        f"(mode `{st['mode']}`, {len(st['prompt_files'])} prompt files × {st['limit']} "
+        f"prompts, split {st['split_fraction']:g}, {st['max_new_tokens']} tokens, seed "
+        f"{st['seed']}); held-out ECE of the survival `a_k` per position and AUROC of "
+        f"`c_k`, means over the γ positions (the worst position in brackets). {where}",
+        "",
+        f"    {res['command']}",
+        "",
+        "| drafter | estimate | held-out rounds | ECE before STS | ECE after STS (worst k) "
+        "| AUROC | positions STS made worse |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    names = {"confidence_head": "confidence head", "draft_probability": "draft probability"}
+
+    def pct(x):
+        return "–" if x is None else f"{100 * x:.2f} %"
+
+    for f in res["fits"]:
+        worse = ", ".join(map(str, f["worse_heldout_positions"])) or "none"
+        auroc = "–" if f["mean_auroc"] is None else f"{f['mean_auroc']:.3f}"
+        out.append(
+            f"| {f['drafter']} | {names[f['estimator']]} | {f['heldout_rounds']} | "
+            f"{pct(f['mean_ece_before'])} | {pct(f['mean_ece_after'])} "
+            f"({pct(f['max_ece_after'])}) | {auroc} | {worse} |"
+        )
+    out.append("")
+    if "dspark_same_rounds" in res:
+        same = "identical" if res["dspark_same_rounds"] else "NOT identical"
+        out += [
+            "DSpark's two rows are fitted and scored on the same rounds (the saved acceptance "
+            f"labels of both fits are {same}): a fixed-block run's rounds do not depend on "
+            "the estimator.",
+            "",
+        ]
+    return out
