@@ -97,8 +97,9 @@ MANIFEST = (
          "simulator and its validation, mesh layouts compared, the decode mesh's overhead, serving on two processes", (
         Entry((R + "startup.json",), serving.startup),
         Entry((R + "soak.json",), serving.soak),
-        Entry((R + "serving.json", R + "serving_t1.json"), serving.serving),
-        Entry((R + "serving_sim_validation.md",), serving.sim_validation),
+        Entry((R + "serving.json", R + "serving_t1.json", R + "serving_eagle3*.json"),
+              serving.serving),
+        Entry((R + "serving_sim_validation*.md",), serving.sim_validation),
         Entry((R + "serving_sim_v5p_*.md",), serving.sim_modelled),
         Entry((R + "serving_sim_layouts.md", R + "serving_sim_layouts.json"),
               serving.sim_layouts),

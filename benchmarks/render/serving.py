@@ -16,15 +16,22 @@ def _serving_command(data: dict) -> str:
     cmd = "    python benchmarks/serving.py"
     if data.get("quick"):
         return cmd + " --quick"
+    drafter = data.get("drafter") or "assets/drafters/dspark"
+    mtp = " --mtp-drafter assets/drafters/mtp1" if "MTP-1" in data["arms"] else ""
     cmd += (
-        " --target assets/target --drafter assets/drafters/dspark --mtp-drafter "
-        f"assets/drafters/mtp1 --concurrency {levels} --time-limit "
+        f" --target assets/target --drafter {drafter}{mtp} --concurrency {levels} --time-limit "
         f"{data.get('time_limit', 15):g} --max-tokens {data['max_tokens']} --slots "
         f"{data['slots']} --requests-per-client {data.get('requests_per_client', 4)}"
     )
     if data.get("temperature", 0.0):
         cmd += f" --temperature {data['temperature']:g}"
+    if _drafter_name(data) != "dspark":  # a run of some arms with another drafter
+        cmd += f' --arms "{",".join(data["arms"])}" --stem {data["stem"]}'
     return cmd
+
+
+def _drafter_name(data: dict) -> str:
+    return pathlib.PurePath(data.get("drafter") or "dspark").name
 
 
 def _serving_table(name: str, data: dict) -> list[str]:
@@ -32,8 +39,12 @@ def _serving_table(name: str, data: dict) -> list[str]:
     temp = data.get("temperature", 0.0)
     sampling = "greedy requests" if temp == 0 else f"requests sampled at T = {temp:g}"
     limit = data.get("time_limit", 15)
+    drafter = _drafter_name(data)
+    title = "Greedy" if temp == 0 else f"T = {temp:g}"
+    if drafter != "dspark":
+        title = f"{drafter}, {title.lower() if temp == 0 else title}"
     out = [
-        f"### {'Greedy' if temp == 0 else f'T = {temp:g}'}" + (" (quick)" if quick else ""),
+        f"### {title}" + (" (quick)" if quick else ""),
         "",
         f"`benchmarks/results/{name}`"
         + (" (quick mode: tiny random models, a smoke test of the harness)" if quick else "")
@@ -75,7 +86,8 @@ def _serving_table(name: str, data: dict) -> list[str]:
 
 
 def serving(results: pathlib.Path) -> list[str]:
-    runs = [(n, common.load(results / n)) for n in ("serving.json", "serving_t1.json")]
+    names = ("serving.json", "serving_t1.json", "serving_eagle3.json", "serving_eagle3_t1.json")
+    runs = [(n, common.load(results / n)) for n in names]
     runs = [(n, d) for n, d in runs if d is not None]
     if not runs:
         quick = common.load(results / "serving_quick.json")
@@ -102,7 +114,10 @@ def serving(results: pathlib.Path) -> list[str]:
         "figures (dynamic top-K vs every arm and fixed γ, per-user vs MTP-1) should be "
         "re-measured on an accelerator. Greedy verification accepts a draft only when it is "
         "the target's argmax, while the confidence head and STS are trained and fitted for "
-        "T = 1 acceptance, so the scheduler's inputs are calibrated in the T = 1 run.",
+        "T = 1 acceptance, so the scheduler's inputs are calibrated in the T = 1 run. "
+        "The EAGLE-3 runs (no confidence head) schedule on its draft-probability survivals "
+        "calibrated by `sts_draft_probability.json` (fitted at T = 1; "
+        "[calibration](calibration.md#survival-estimates-side-by-side)).",
         "",
     ]
     return out
@@ -179,16 +194,22 @@ def _sim_stale_note(md: pathlib.Path) -> list[str]:
 
 
 def sim_validation(results: pathlib.Path) -> list[str]:
-    val = results / "serving_sim_validation.md"
-    if not val.is_file():
-        return []
-    return common.included(val, "python benchmarks/serving_sim.py --validate", _sim_stale_note(val))
+    out = []
+    for val in sorted(results.glob("serving_sim_validation*.md")):
+        command = "python benchmarks/serving_sim.py --validate"
+        if val.stem != "serving_sim_validation":  # another serving run (e.g. EAGLE-3's)
+            serving = val.stem.replace("serving_sim_validation_", "serving_") + "_t1.json"
+            command += (
+                f" --serving benchmarks/results/{serving} --out benchmarks/results/{val.stem}"
+            )
+        out += common.included(val, command, _sim_stale_note(val))
+    return out
 
 
 def sim_modelled(results: pathlib.Path) -> list[str]:
     out = []
     for path in sorted(results.glob("serving_sim_*.md")):
-        if path.name in ("serving_sim_validation.md", "serving_sim_layouts.md"):
+        if path.name.startswith("serving_sim_validation") or path.name == "serving_sim_layouts.md":
             continue  # their own entries (sim_validation, sim_layouts)
         command = "python benchmarks/serving_sim.py --roofline benchmarks/results/" + (
             path.stem.replace("serving_sim_", "roofline_")

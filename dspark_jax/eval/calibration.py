@@ -25,14 +25,16 @@ censored). The runner records the survival ``a`` with STS off; ``c_k = a_k / a_{
 that σ saturates to 1.0 in float32 comes back as ``logit(1 − 2⁻²⁴) ≈ 16.6``, which the
 decode step could not distinguish either).
 
-Files: ``sts.json`` beside the drafter (``<drafter_dir>/sts.json``) holds the temperatures
-(and biases, zero in temperature mode), per-position ECE/AUROC before and after, sample
-counts and a description of the data (``sts_data.npz`` next to it keeps the fitted
-arrays). Callers apply it with::
+The same fit calibrates the *draft-probability* survival estimate of any drafter
+(``decode.plan_step.survival_logits``: ``z_k = logit(max_v q_k(v))``), recorded the same way.
 
-    sts = load_sts(drafter_dir)              # STS(temperatures [γ], biases [γ]) or None
-    SpeculativeDecoder(target, tp, drafter, dp, step_config,
-                       sts_temperatures=sts.temperatures, sts_biases=sts.biases)
+Files: ``sts.json`` beside the drafter (``<drafter_dir>/sts.json``; the draft-probability
+estimate's ``sts_draft_probability.json``) holds the temperatures (and biases, zero in
+temperature mode), per-position ECE/AUROC before and after, sample counts and a description
+of the data (``sts_data.npz`` next to it keeps the fitted arrays). Callers apply it with::
+
+    sts = load_sts(drafter_dir)   # STS(temperatures [γ], biases [γ], estimator) or None
+    SpeculativeDecoder(target, tp, drafter, dp, step_config, sts=sts)
 
 ``None`` (no file) means temperatures of 1 and no bias, the decoder's default.
 """
