@@ -462,6 +462,10 @@ def test_page_exhaustion_queues_requests_and_loses_none(setup):
         text = EngineMetrics(engine).render()[0].decode()
         assert 'dspark_kv_pages{state="free"} 13.0' in text
         assert 'dspark_attention_backend{backend="xla"} 1.0' in text
+        assert 'dspark_survival_estimator{estimator="confidence_head"} 1.0' in text
+        # Every round of this fixed-block engine drafted (no plain rounds for 'fixed').
+        assert f'dspark_rounds_by_kind{{kind="draft"}} {float(engine.stats.rounds)}' in text
+        assert 'dspark_rounds_by_kind{kind="plain"} 0.0' in text
         # Admission checks the pool: with 5 pages, a 20 + 12 token request (8 pages) could
         # never start, so it is refused rather than left waiting forever.
         pool, engine.pages = engine.pages, PagePool(6, 4, MAX_LEN)

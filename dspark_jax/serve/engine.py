@@ -162,6 +162,9 @@ class Engine(Service):
             self._check_processes_agree(target, target_params, drafter, tokenizer)
         self.sps_table: sps_lib.SPSTable | None = None
         self.attention_backend = self.decoder.attention
+        # confidence_head / draft_probability (decode.plan_step.survival_logits), none
+        # without a drafter.
+        self.survival_estimator = self.decoder.survival_estimator if drafter is not None else "none"
 
         self._ids = itertools.count()
         # Submitted, not yet handed to the core (the loop moves them each turn).

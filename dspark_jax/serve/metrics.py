@@ -17,6 +17,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from dspark_jax.sched.plain_rounds import ROUND_KINDS
+
 _ROUND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -117,6 +119,20 @@ class EngineMetrics:
             ["backend"],
             registry=r,
         )
+        self.survival_estimator = Gauge(
+            "dspark_survival_estimator",
+            "Where the schedulers' draft survivals come from (value 1): confidence_head, "
+            "draft_probability, or none without a drafter",
+            ["estimator"],
+            registry=r,
+        )
+        self.round_kinds = Gauge(
+            "dspark_rounds_by_kind",
+            "Decode rounds since start by kind: draft, plain (the target alone, draft-aware "
+            "rounds), probe (a drafting round that refreshes survivals after plain ones)",
+            ["kind"],
+            registry=r,
+        )
         self.mesh = Gauge(
             "dspark_mesh_devices",
             "Devices the engine decodes on (data replicas x tensor split)",
@@ -150,6 +166,11 @@ class EngineMetrics:
                 lambda a=attr: 0.0 if ex is None else float(getattr(ex, a))
             )
         self.attention.labels(engine.attention_backend).set(1)
+        self.survival_estimator.labels(engine.survival_estimator).set(1)
+        for kind in ROUND_KINDS:
+            self.round_kinds.labels(kind).set_function(
+                lambda k=kind: float(engine.policy.kind_counts.get(k, 0))
+            )
         m = engine.mesh
         self.mesh.labels(str(m["data"]), str(m["tensor"]), m["platform"]).set(m["devices"])
 
