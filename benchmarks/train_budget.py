@@ -8,7 +8,7 @@ forward included, every model loop unrolled), then gives each arm the steps that
 the shared budget (``train.bundled``: ``BUNDLED_STEPS`` steps of the budget arm). The FLOPs
 do not depend on the target's weights, only on its shape. Writes
 ``benchmarks/results/train_budget.json`` and ``.md``; ``train/bundled.py``'s
-``BUNDLED_STEP_GFLOPS`` table is these figures (tests/test_train_cost.py checks it).
+``BUNDLED_STEP_GFLOPS`` table is these figures (tests/perf/test_train_cost.py checks it).
 """
 
 from __future__ import annotations

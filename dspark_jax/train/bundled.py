@@ -36,7 +36,7 @@ BUNDLED_SCHEDULE = dict(
 # XLA's FLOPs for one training step of each bundled arm, in GFLOP: the compiled CPU step
 # of ``train.py`` (frozen-target forward, drafter forward/backward and optimiser; every
 # model loop unrolled), from ``python benchmarks/train_budget.py``
-# (benchmarks/results/train_budget.json); tests/test_train_cost.py recomputes them.
+# (benchmarks/results/train_budget.json); tests/perf/test_train_cost.py recomputes them.
 BUNDLED_STEP_GFLOPS = {
     "dspark": 108.53,
     "dspark_rnn": 115.31,
