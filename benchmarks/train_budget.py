@@ -2,7 +2,7 @@
 
     python benchmarks/train_budget.py [--target assets/target]
 
-For each bundled arm (``configs/drafter_<arm>.py``) it compiles ``train.py``'s training
+For each bundled arm (``configs/bundled/drafter_<arm>.py``) it compiles ``train.py``'s training
 step for one CPU device and reads XLA's cost analysis (``perf.train_cost``: frozen-target
 forward included, every model loop unrolled), then gives each arm the steps that spend
 the shared budget (``train.bundled``: ``BUNDLED_STEPS`` steps of the budget arm). The FLOPs
@@ -30,7 +30,8 @@ def run(args) -> dict:
     arms = {}
     for arm in bundled.BUNDLED_STEP_GFLOPS:
         cfg = load_config(
-            os.path.join(ROOT, "configs", f"drafter_{arm}.py"), [("target.dir", args.target)]
+            os.path.join(ROOT, "configs", "bundled", f"drafter_{arm}.py"),
+            [("target.dir", args.target)],
         )
         cost = train_step_flops(cfg)
         arms[arm] = {

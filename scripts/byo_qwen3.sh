@@ -103,7 +103,7 @@ python -m dspark_jax.data.distill --target "$MODEL" --corpus-dir "$WORK/corpus" 
 
 # 3. Train: the named config, the two overrides every run needs, the record length
 step "3. train"
-python train.py --config configs/drafter_dspark_my_qwen3.py --workdir "$WORK/run" \
+python train.py --config configs/recipes/drafter_dspark_my_qwen3.py --workdir "$WORK/run" \
     --config.target.dir="$MODEL" --config.data.data_dir="$WORK/distill" \
     --config.data.seq_len=$((PROMPT_LEN + NEW_TOKENS)) $TRAIN_FLAGS --no-progress
 

@@ -28,7 +28,7 @@ from dspark_jax.models.qwen3 import Qwen3
 P = jax.sharding.PartitionSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CFG = os.path.join(REPO, "configs", "drafter_dspark_qwen3_0_6b.py")
+CFG = os.path.join(REPO, "configs", "recipes", "drafter_dspark_qwen3_0_6b.py")
 SMALL = [
     ("data.seq_len", "128"),
     ("data.batch_size", "8"),

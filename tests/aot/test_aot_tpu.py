@@ -21,7 +21,7 @@ needs_libtpu = pytest.mark.skipif(
     not HAVE_LIBTPU, reason="libtpu is not installed (pip install -e '.[tpu]')"
 )
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY_DRAFTER = os.path.join(REPO, "configs", "drafter_tiny.py") + ":dspark"
+TINY_DRAFTER = os.path.join(REPO, "configs", "tiny", "drafter_tiny.py") + ":dspark"
 
 
 def test_missing_libtpu_is_named(monkeypatch):

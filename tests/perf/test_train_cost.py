@@ -21,7 +21,7 @@ def test_lm_step_flops_match_a_hand_count():
     path is a prepared corpus, which a fresh clone does not have)."""
     tokenizer = os.path.join(ROOT, "assets", "target", "tokenizer.json")
     cfg = load_config(
-        os.path.join(ROOT, "configs", "target_pycode_v2.py"),
+        os.path.join(ROOT, "configs", "bundled", "target_pycode_v2.py"),
         [("model.scan_layers", "False"), ("model.vocab_size", "8192"),
          ("data.batch_size", "2"), ("data.seq_len", "128"), ("data.tokenizer", tokenizer)],
     )  # fmt: skip
@@ -39,17 +39,17 @@ def test_bundled_step_flops_table_is_current():
     XLA reports for today's configs, and each arm's steps spend the shared budget."""
     budget = bundled.BUNDLED_STEPS * bundled.BUNDLED_STEP_GFLOPS[bundled.BUDGET_ARM]
     for arm, table_gflops in bundled.BUNDLED_STEP_GFLOPS.items():
-        cfg = load_config(os.path.join(ROOT, "configs", f"drafter_{arm}.py"))
+        cfg = load_config(os.path.join(ROOT, "configs", "bundled", f"drafter_{arm}.py"))
         gflops = train_step_flops(cfg)["flops"] / 1e9
         assert gflops == pytest.approx(table_gflops, rel=0.01), arm
         steps = bundled.equal_compute_steps(arm)
         assert cfg.train.steps == steps
         assert abs(steps * gflops - budget) <= gflops, arm  # within one step of the budget
     # The equal-steps row: the same config, every arm at BUNDLED_STEPS.
-    eq = load_config(os.path.join(ROOT, "configs", "drafter_eagle3.py:steps"))
+    eq = load_config(os.path.join(ROOT, "configs", "bundled", "drafter_eagle3.py:steps"))
     assert eq.train.steps == bundled.BUNDLED_STEPS != bundled.equal_compute_steps("eagle3")
     with pytest.raises(ValueError, match="budget must be 'compute' or 'steps'"):
-        load_config(os.path.join(ROOT, "configs", "drafter_eagle3.py:flops"))
+        load_config(os.path.join(ROOT, "configs", "bundled", "drafter_eagle3.py:flops"))
 
 
 def test_loops_with_model_work_are_found_and_rng_loops_are_not():

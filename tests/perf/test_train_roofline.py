@@ -28,7 +28,7 @@ def test_hand_count_matches_xla_flops_on_an_unrolled_step():
     than one 512-key block, so the target's XLA attention pads its keys to two blocks and
     the draft layers' attention runs the blocked (checkpointed, 4-pass) path. XLA:CPU's
     flops of the unrolled step agree with the hand count within 10 % (1.5 % when written)."""
-    cfg = load_config(os.path.join(ROOT, "configs", "drafter_tiny.py:dspark"))
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny", "drafter_tiny.py:dspark"))
     cfg.target.preset = "pycode-small"
     cfg.data.seq_len, cfg.data.batch_size = 640, 2
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))

@@ -2,7 +2,7 @@
 ``SMALL=1`` on a tiny random Qwen3 made by ``scripts/make_tiny_qwen3.py`` (with
 ``transformers`` where torch is installed, else with ``convert.save_hf``): corpus,
 self-distillation with the checkpoint's own tokenizer, training with
-``configs/drafter_dspark_my_qwen3.py``, export, calibration, evaluation, serving and one
+``configs/recipes/drafter_dspark_my_qwen3.py``, export, calibration, evaluation, serving and one
 chat request. And the guide (docs/guides/train-drafter.md) shows the script's steps as they
 are, so neither can change without the other.
 """

@@ -20,7 +20,7 @@ from dspark_jax.train import train
 from dspark_jax.train.trainer import make_task
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONFIG = os.path.join(REPO, "configs", "drafter_dspark_my_qwen3.py")
+CONFIG = os.path.join(REPO, "configs", "recipes", "drafter_dspark_my_qwen3.py")
 PROMPT_LEN, NEW_TOKENS = 16, 4
 # Qwen3 defines no <|pad|>: the tokenizer pads with EOS and says so, as it should.
 pytestmark = pytest.mark.filterwarnings("ignore:.*defines no '<\\|pad\\|>'")

@@ -27,7 +27,7 @@ from dspark_jax.train import anchors as A
 from dspark_jax.train import read_metrics, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = os.path.join(REPO, "configs", "drafter_tiny.py")
+TINY = os.path.join(REPO, "configs", "tiny", "drafter_tiny.py")
 _FILES = ("abc", "bisect", "colorsys", "copy", "heapq", "keyword", "numbers", "queue")
 
 

@@ -27,7 +27,7 @@ from dspark_jax.train import distributed as dist
 from dspark_jax.train import read_metrics, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = os.path.join(REPO, "configs", "target_tiny.py")
+TINY = os.path.join(REPO, "configs", "tiny", "target_tiny.py")
 _STDLIB_FILES = ("abc", "bisect", "colorsys", "copy", "heapq", "keyword", "numbers",
                  "queue", "shlex", "string", "textwrap", "fnmatch", "glob")  # fmt: skip
 STEPS = 6

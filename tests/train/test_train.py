@@ -14,7 +14,7 @@ from dspark_jax.testing import kill_and_resume, stdlib_corpus
 from dspark_jax.train import read_metrics, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = os.path.join(REPO, "configs", "target_tiny.py")
+TINY = os.path.join(REPO, "configs", "tiny", "target_tiny.py")
 # Small, stable stdlib modules: a deterministic corpus of real Python code.
 _STDLIB_FILES = ("abc", "bisect", "colorsys", "copy", "heapq", "keyword", "numbers",
                  "queue", "shlex", "string", "textwrap", "this", "fnmatch", "glob")  # fmt: skip

@@ -3,7 +3,7 @@
 
     python -m dspark_jax.data.prepare --kind source_tree --data-dir data/stdlib \
         --train-tokenizer --vocab-size 8192
-    python train.py --config configs/target_pycode.py --workdir workdirs/target_pycode
+    python train.py --config configs/bundled/target_pycode.py --workdir workdirs/target_pycode
 
 Sized for <= ~50 minutes on 2 busy CPU cores: measured ~600 tokens/s (load ~7 from other
 jobs), so 900 steps x 8 x 256 = 1.84M tokens (~0.2 epoch of the ~8.5M-token train split).

@@ -1,7 +1,7 @@
-"""Tiny drafter runs for tests and smoke checks: ``--config configs/drafter_tiny.py:KIND``
+"""Tiny drafter runs for tests and smoke checks: ``--config configs/tiny/drafter_tiny.py:KIND``
 with KIND in dspark | dspark_rnn | dflash | eagle3 | mtp1 (default dspark).
 
-    python train.py --config configs/drafter_tiny.py:dspark --workdir /tmp/d \
+    python train.py --config configs/tiny/drafter_tiny.py:dspark --workdir /tmp/d \
         --config.target.dir=TARGET_HF_DIR --config.data.data_dir=DISTILL_DIR
 """
 

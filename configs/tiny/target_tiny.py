@@ -1,6 +1,6 @@
 """Tiny Qwen3 LM for tests and smoke runs: the "tiny" preset, vocabulary = the tokenizer's.
 
-    python train.py --config configs/target_tiny.py --workdir /tmp/tiny \
+    python train.py --config configs/tiny/target_tiny.py --workdir /tmp/tiny \
         --config.data.data_dir=DIR --config.data.tokenizer=DIR/tokenizer.json
 """
 

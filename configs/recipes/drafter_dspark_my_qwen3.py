@@ -1,7 +1,7 @@
 """DSpark drafter for your own Qwen3 checkpoint ("my model"): the recipe of
 docs/guides/train-drafter.md and scripts/byo_qwen3.sh.
 
-    python train.py --config configs/drafter_dspark_my_qwen3.py --workdir WD \
+    python train.py --config configs/recipes/drafter_dspark_my_qwen3.py --workdir WD \
         --config.target.dir=MY_QWEN3_DIR --config.data.data_dir=DISTILL_DIR
 
 The two overrides every run needs have no default here, so a run without them fails naming
@@ -20,7 +20,7 @@ compute, frozen target stored in bf16, FSDP over every local device. What to cha
 - ``train.steps`` x ``data.batch_size``: about 2-4 passes over the distilled train records
   (2000 x 32 = 64k rows, i.e. 4 passes over 16k prompts). More data beats more passes:
   DeepSpec's released Qwen3 drafters saw 64 x 4096 tokens per step for 20k steps
-  (configs/drafter_dspark_qwen3_8b.py, for a TPU slice).
+  (configs/recipes/drafter_dspark_qwen3_8b.py, for a TPU slice).
 - ``data.batch_size``: global; lower it (or set ``--config.drafter.remat=full``) if a step
   does not fit, and check first with ``python train.py ... --aot`` (docs/guides/plan-memory.md).
 - ``drafter.mask_token``: the MASK placeholder of the parallel draft block must be a token

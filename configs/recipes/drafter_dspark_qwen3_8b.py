@@ -7,10 +7,10 @@ stored in bf16 (no master copy needed: it is never updated). Mesh: FSDP over eve
 (drafter, its optimizer state and the frozen target are all sharded, ``embed`` axis).
 
 Train (one process per host; see README "Training on a TPU pod / multi-GPU host"):
-    python train.py --config configs/drafter_dspark_qwen3_8b.py --workdir WD \
+    python train.py --config configs/recipes/drafter_dspark_qwen3_8b.py --workdir WD \
         --config.target.dir=QWEN3_8B_DIR --config.data.data_dir=DISTILL_DIR [--distributed]
 Compile only, for 64 chips, and report memory per device (nothing is allocated):
-    python train.py --config configs/drafter_dspark_qwen3_8b.py --aot --aot-devices 64 \
+    python train.py --config configs/recipes/drafter_dspark_qwen3_8b.py --aot --aot-devices 64 \
         --aot-mesh 1,64,1 --aot-device-memory-gb 95
 
 ``target.preset`` gives the target's shape to ``--aot`` when ``target.dir`` holds no model.

@@ -4,10 +4,10 @@ steps x 8 x 512 tokens = 10.6M tokens, 1.26 epochs, 4.27 epochs in all. v3's hel
 curve was still falling at its end (3.16 -> 3.11 over its last 350 steps, mostly the
 cosine tail).
 
-    python train.py --config configs/target_pycode_v4.py --workdir workdirs/target_pycode_v4
+    python train.py --config configs/bundled/target_pycode_v4.py --workdir workdirs/target_pycode_v4
     python -m dspark_jax.export --workdir workdirs/target_pycode_v4 --out assets/target \\
         --dtype bfloat16
-    cp configs/pycode_tokenizer_config.json assets/target/tokenizer_config.json
+    cp configs/bundled/pycode_tokenizer_config.json assets/target/tokenizer_config.json
 
 (``init_from="assets/target"`` reads v3 there: ``scripts/build_bundled_models.sh`` exports
 v2, v3 and v4 to that directory in turn. The weights bundled today were first exported

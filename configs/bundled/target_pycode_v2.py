@@ -4,7 +4,7 @@ Python standard library's train split instead of 0.22 (2400 steps x 4096 tokens)
 
     python -m dspark_jax.data.prepare --kind source_tree --data-dir data/stdlib \
         --train-tokenizer --vocab-size 8192
-    python train.py --config configs/target_pycode_v2.py --workdir workdirs/target_pycode_v2
+    python train.py --config configs/bundled/target_pycode_v2.py --workdir workdirs/target_pycode_v2
 
 Run in the background; re-running the same command resumes from the last Orbax checkpoint
 (every 100 steps, ~6 minutes). Sized from ``benchmarks/results/target_sizing.json`` (30
