@@ -497,22 +497,24 @@ def test_inactive_slots_untouched_and_packed_rows(target):
     state, out = dec.round(state)
     after = jax.tree.map(np.array, state)
     assert not np.array_equal(before.slot_keys[1], after.slot_keys[1])  # the active stream
-    for s in (0, 2):
-        names = ("seq_len", "anchor", "remaining", "active", "ctx_query", "ctx_feats")
-        for name in names + ("slot_keys",):  # idle slots' random streams do not advance
-            b, a = getattr(before, name), getattr(after, name)
-            if name == "ctx_feats" and dec.kv_cache:  # paged: the slot's own pages
-                b, a = b[:, before.page_table[s]], a[:, before.page_table[s]]
-            else:
-                b, a = b[s], a[s]
-            np.testing.assert_array_equal(b, a, err_msg=name)
+    names = ("seq_len", "anchor", "remaining", "active", "ctx_query")
+
+    def slot_view(st, s):
+        """Everything of slot ``s`` in ``st`` (idle slots' random streams included)."""
         pages = before.page_table[s]  # the slot's own pages (static rows: the full pool)
-        assert (pages > 0).all()
-        np.testing.assert_array_equal(before.cache.kv[:, pages], after.cache.kv[:, pages])
+        view = {name: getattr(st, name)[s] for name in names + ("slot_keys",)}
+        # Paged: the slot's own pages of the drafter's context.
+        view["ctx_feats"] = st.ctx_feats[:, pages] if dec.kv_cache else st.ctx_feats[s]
+        view["kv"] = st.cache.kv[:, pages]
+        return view
+
+    for s in (0, 2):
+        assert (before.page_table[s] > 0).all()
+        chex.assert_trees_all_equal(slot_view(after, s), slot_view(before, s), strict=True)
         assert int(out.num_emitted[s]) == 0 and int(out.verified[s]) == 0
     assert int(after.seq_len[1]) == 3 + int(out.accepted[1]) + 1
     # Pages are given at prefill only: a round never changes the page table.
-    np.testing.assert_array_equal(before.page_table, after.page_table)
+    chex.assert_trees_all_equal(after.page_table, before.page_table, strict=True)
 
     # The verify pass runs on R + K packed rows: the LM head's logits are [R + K, V] and
     # nothing of the unpruned size R·(G+1) x V is materialised when K is small.
@@ -584,8 +586,10 @@ def test_sts_calibration_applied_to_confidences(target):
     _, plan = cal.plan(state)
     z = np.log(c_raw) - np.log1p(-c_raw)
     want = 1 / (1 + np.exp(-(z / temps + biases)))
-    np.testing.assert_allclose(np.asarray(plan.confidence), want, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(plan.survival), np.cumprod(want, axis=1), atol=1e-5)
+    chex.assert_shape([plan.confidence, plan.survival], want.shape)
+    chex.assert_trees_all_close(
+        (plan.confidence, plan.survival), (want, np.cumprod(want, axis=1)), atol=1e-5, rtol=0
+    )
     with pytest.raises(ValueError, match="STS biases must have shape"):
         SpeculativeDecoder(model, params, drafter, dparams, cfg, sts_biases=np.zeros(g + 1))
 
@@ -638,8 +642,8 @@ def test_kv_cached_context_matches_feature_draft(target, kind):
         state.anchor, draft_key, SamplingSettings(1.0, 0, 1.0), dec._embed_fn(params),
         dec._lm_head_fn(params), method="draft",
     )  # fmt: skip
-    np.testing.assert_allclose(np.asarray(plan.draft_probs), np.asarray(ref.probs), atol=2e-5)
-    np.testing.assert_array_equal(np.asarray(plan.draft_tokens), np.asarray(ref.tokens))
+    chex.assert_trees_all_close(plan.draft_probs, ref.probs, atol=2e-5, rtol=0)
+    chex.assert_trees_all_equal(plan.draft_tokens, ref.tokens)
 
 
 def test_batched_prefill_with_padding_rows_equals_one_at_a_time(target):
@@ -665,16 +669,17 @@ def test_batched_prefill_with_padding_rows_equals_one_at_a_time(target):
         )  # fmt: skip
         firsts.append(int(o.first_token[0]))
     assert [int(x) for x in out.first_token[:2]] == firsts
-    for name in ("seq_len", "anchor", "remaining", "active", "ctx_query"):
-        np.testing.assert_array_equal(getattr(batched, name), getattr(single, name), err_msg=name)
+
     # Padding rows write only into the null page 0, which no slot reads (the drafter's
     # paged context K/V share the target's page table).
-    np.testing.assert_array_equal(np.asarray(batched.cache.kv[:, 1:]), single.cache.kv[:, 1:])
-    ctx_b, ctx_s = np.asarray(batched.ctx_feats), np.asarray(single.ctx_feats)
-    if dec.kv_cache:
-        ctx_b, ctx_s = ctx_b[:, 1:], ctx_s[:, 1:]
-    np.testing.assert_array_equal(ctx_b, ctx_s)
-    np.testing.assert_array_equal(batched.page_table, single.page_table)
+    def written(st):
+        view = {n: getattr(st, n) for n in ("seq_len", "anchor", "remaining", "active",
+                                            "ctx_query", "page_table")}  # fmt: skip
+        view["kv"] = st.cache.kv[:, 1:]
+        view["ctx_feats"] = st.ctx_feats[:, 1:] if dec.kv_cache else st.ctx_feats
+        return view
+
+    chex.assert_trees_all_equal(written(batched), written(single), strict=True)
     assert not bool(batched.active[1]) and int(batched.seq_len[1]) == 0  # slot 1 untouched
 
 

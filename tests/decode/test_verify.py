@@ -2,6 +2,7 @@
 
 from functools import partial
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,19 +23,26 @@ from dspark_jax.ops.sampling import gumbel_max, position_keys, process_logits, s
 # process_logits
 
 
-def test_process_logits_temperature_matches_softmax():
-    logits = jnp.array([[1.0, 2.0, 0.5, -1.0], [0.0, 0.0, 3.0, 1.0]])
-    for t in (0.5, 1.0, 2.0):
-        np.testing.assert_allclose(
-            process_logits(logits, t), jax.nn.softmax(logits / t, -1), rtol=1e-6
-        )
+class ProcessLogitsTest(chex.TestCase):
+    """Logit processing gives the same distributions traced under jit (as the decode step
+    runs it) and op by op (chex variants)."""
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_process_logits_temperature_matches_softmax(self):
+        process = self.variant(process_logits)
+        logits = jnp.array([[1.0, 2.0, 0.5, -1.0], [0.0, 0.0, 3.0, 1.0]])
+        for t in (0.5, 1.0, 2.0):
+            probs = process(logits, t)
+            chex.assert_shape(probs, logits.shape)
+            chex.assert_trees_all_close(probs, jax.nn.softmax(logits / t, -1), rtol=1e-6)
 
-def test_process_logits_greedy_is_point_mass_on_argmax():
-    logits = jnp.array([[1.0, 3.0, 3.0, 0.0], [5.0, 0.0, 1.0, 2.0]])
-    probs = process_logits(logits, jnp.array([0.0, 1.0]))
-    np.testing.assert_array_equal(probs[0], [0.0, 1.0, 0.0, 0.0])  # first index on ties
-    np.testing.assert_allclose(probs[1], jax.nn.softmax(logits[1]), rtol=1e-6)
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_process_logits_greedy_is_point_mass_on_argmax(self):
+        logits = jnp.array([[1.0, 3.0, 3.0, 0.0], [5.0, 0.0, 1.0, 2.0]])
+        probs = self.variant(process_logits)(logits, jnp.array([0.0, 1.0]))
+        # first index on ties
+        chex.assert_trees_all_equal(probs[0], jnp.array([0.0, 1.0, 0.0, 0.0]))
+        chex.assert_trees_all_close(probs[1], jax.nn.softmax(logits[1]), rtol=1e-6)
 
 
 def test_process_logits_top_k_and_top_p():
@@ -58,9 +66,10 @@ def test_process_logits_per_row_params_under_jit():
     logits = jnp.asarray(rng.normal(size=(3, 2, 7)), jnp.float32)
     temp, k, p = jnp.array([1.0, 0.5, 2.0]), jnp.array([0, 3, 1]), jnp.array([1.0, 1.0, 0.9])
     out = jax.jit(process_logits)(logits, temp, k, p)
+    chex.assert_shape(out, logits.shape)
     for r in range(3):
         row = process_logits(logits[r], float(temp[r]), int(k[r]), float(p[r]))
-        np.testing.assert_allclose(out[r], row, rtol=1e-6)
+        chex.assert_trees_all_close(out[r], row, rtol=1e-6)
     np.testing.assert_array_equal(np.sum(np.asarray(out[1]) > 0, -1), [3, 3])
     np.testing.assert_array_equal(np.sum(np.asarray(out[2]) > 0, -1), [1, 1])
     np.testing.assert_allclose(np.sum(np.asarray(out), -1), 1.0, rtol=1e-6)
@@ -86,42 +95,59 @@ def _onehot_logits(tokens, v):
     return jax.nn.one_hot(jnp.asarray(tokens), v) * 5.0
 
 
-def test_verify_greedy_accepts_matching_prefix_then_target_token():
-    target = jnp.array([[3, 4, 5, 6], [3, 9, 5, 6], [7, 4, 5, 6]])  # [R, γ+1]
-    drafts = jnp.array([[3, 4, 5], [3, 4, 5], [3, 4, 5]])
-    logits = _onehot_logits(target, 10)
-    acc, nxt, out = verify_greedy(drafts, logits, jnp.array([3, 3, 3]))
-    np.testing.assert_array_equal(acc, [3, 1, 0])
-    np.testing.assert_array_equal(nxt, [6, 9, 7])  # bonus / correction / correction
-    np.testing.assert_array_equal(
-        out, [[3, 4, 5, 6], [3, 9, PAD_TOKEN, PAD_TOKEN], [7, PAD_TOKEN, PAD_TOKEN, PAD_TOKEN]]
-    )
-    # Already-argmaxed target tokens give the same answer.
-    for x, y in zip(verify_greedy(drafts, target, jnp.array([3, 3, 3])), (acc, nxt, out)):
-        np.testing.assert_array_equal(x, y)
+class VerifyGreedyTest(chex.TestCase):
+    """Greedy verification traced under jit (as the decode step runs it) and op by op
+    (chex variants of the function ``verify_greedy`` jits): the same verdicts."""
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_verify_greedy_accepts_matching_prefix_then_target_token(self):
+        verify = self.variant(verify_greedy.__wrapped__)
+        target = jnp.array([[3, 4, 5, 6], [3, 9, 5, 6], [7, 4, 5, 6]])  # [R, γ+1]
+        drafts = jnp.array([[3, 4, 5], [3, 4, 5], [3, 4, 5]])
+        logits = _onehot_logits(target, 10)
+        got = verify(drafts, logits, jnp.array([3, 3, 3]))
+        want = (
+            np.array([3, 1, 0], np.int32),
+            np.array([6, 9, 7], np.int32),  # bonus / correction / correction
+            np.array(
+                [[3, 4, 5, 6], [3, 9, PAD_TOKEN, PAD_TOKEN], [7, PAD_TOKEN, PAD_TOKEN, PAD_TOKEN]],
+                np.int32,
+            ),
+        )
+        chex.assert_trees_all_equal(tuple(got), want, strict=True)
+        # Already-argmaxed target tokens give the same answer.
+        chex.assert_trees_all_equal(tuple(verify(drafts, target, jnp.array([3, 3, 3]))), want)
 
-def test_verify_greedy_pruned_positions_never_accepted():
-    target = jnp.tile(jnp.array([[1, 2, 3, 4]]), (4, 1))
-    drafts = jnp.tile(jnp.array([[1, 2, 3]]), (4, 1))  # all would match
-    logits = _onehot_logits(target, 6)
-    # Garbage (NaN) in rows past n_verify must not matter: they were never computed.
-    pos = jnp.arange(4)[None, :, None]
-    n = jnp.array([0, 1, 2, 3])
-    logits = jnp.where(pos > n[:, None, None], jnp.nan, logits)
-    acc, nxt, out = verify_greedy(drafts, logits, n)
-    np.testing.assert_array_equal(acc, [0, 1, 2, 3])
-    np.testing.assert_array_equal(nxt, [1, 2, 3, 4])  # bonus at position n_verify
-    np.testing.assert_array_equal(out[1], [1, 2, PAD_TOKEN, PAD_TOKEN])
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_verify_greedy_pruned_positions_never_accepted(self):
+        target = jnp.tile(jnp.array([[1, 2, 3, 4]]), (4, 1))
+        drafts = jnp.tile(jnp.array([[1, 2, 3]]), (4, 1))  # all would match
+        logits = _onehot_logits(target, 6)
+        # Garbage (NaN) in rows past n_verify must not matter: they were never computed.
+        pos = jnp.arange(4)[None, :, None]
+        n = jnp.array([0, 1, 2, 3])
+        logits = jnp.where(pos > n[:, None, None], jnp.nan, logits)
+        acc, nxt, out = self.variant(verify_greedy.__wrapped__)(drafts, logits, n)
+        chex.assert_shape(out, (4, 4))
+        chex.assert_trees_all_equal(
+            (acc, nxt, out[1]),
+            (
+                np.array([0, 1, 2, 3]),
+                np.array([1, 2, 3, 4]),
+                np.array([1, 2, PAD_TOKEN, PAD_TOKEN]),
+            ),
+        )  # the bonus token at position n_verify
 
-
-def test_verify_greedy_inactive_slots():
-    target = jnp.array([[1, 2, 3], [1, 2, 3]])
-    drafts = jnp.array([[1, 2], [1, 2]])
-    acc, nxt, out = verify_greedy(drafts, target, jnp.array([2, 2]), jnp.array([True, False]))
-    np.testing.assert_array_equal(acc, [2, 0])
-    np.testing.assert_array_equal(nxt, [3, PAD_TOKEN])
-    np.testing.assert_array_equal(out[1], [PAD_TOKEN] * 3)
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_verify_greedy_inactive_slots(self):
+        target = jnp.array([[1, 2, 3], [1, 2, 3]])
+        drafts = jnp.array([[1, 2], [1, 2]])
+        verify = self.variant(verify_greedy.__wrapped__)
+        acc, nxt, out = verify(drafts, target, jnp.array([2, 2]), jnp.array([True, False]))
+        chex.assert_trees_all_equal(
+            (acc, nxt, out[1]),
+            (np.array([2, 0]), np.array([3, PAD_TOKEN]), np.array([PAD_TOKEN] * 3)),
+        )
 
 
 def test_verify_shape_errors_are_clear():
@@ -143,13 +169,16 @@ def test_verify_shape_errors_are_clear():
 # verify_sampling: unit behaviour
 
 
-def test_residual_and_acceptance_formulas():
-    p_t = jnp.array([0.7, 0.3, 0.0])
-    p_d = jnp.array([0.5, 0.25, 0.25])
-    np.testing.assert_allclose(acceptance_probability(p_t, p_d), [1.0, 1.0, 0.0])
-    np.testing.assert_allclose(residual_distribution(p_t, p_d), [0.8, 0.2, 0.0], rtol=1e-6)
-    # No residual mass (p_t == p_d): fall back to p_t.
-    np.testing.assert_allclose(residual_distribution(p_t, p_t), p_t)
+class AcceptanceRuleTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_residual_and_acceptance_formulas(self):
+        accept, residual = self.variant(acceptance_probability), self.variant(residual_distribution)
+        p_t = jnp.array([0.7, 0.3, 0.0])
+        p_d = jnp.array([0.5, 0.25, 0.25])
+        chex.assert_trees_all_close(accept(p_t, p_d), jnp.array([1.0, 1.0, 0.0]), rtol=1e-7)
+        chex.assert_trees_all_close(residual(p_t, p_d), jnp.array([0.8, 0.2, 0.0]), rtol=1e-6)
+        # No residual mass (p_t == p_d): fall back to p_t.
+        chex.assert_trees_all_close(residual(p_t, p_t), p_t, rtol=1e-7)
 
 
 def test_verify_sampling_identical_distributions_accept_all_verified():
@@ -161,6 +190,8 @@ def test_verify_sampling_identical_distributions_accept_all_verified():
     tp = jnp.where(jnp.arange(g + 1)[None, :, None] > n[:, None, None], jnp.nan, probs)
     active = jnp.array([True] * 5 + [False])
     acc, nxt, out = verify_sampling(jax.random.key(3), drafts, probs[:, :g], tp, n, active)
+    chex.assert_shape([acc, nxt], (r,))
+    chex.assert_shape(out, (r, g + 1))
     np.testing.assert_array_equal(acc, [0, 1, 2, 3, 3, 0])
     assert np.all(np.asarray(nxt[:5]) >= 0) and int(nxt[5]) == PAD_TOKEN
     np.testing.assert_array_equal(out[3, :3], drafts[3])
@@ -323,9 +354,13 @@ def test_verify_compiles_once_per_shape():
     active = jnp.ones(r, bool)
     verify_sampling(jax.random.key(0), drafts, probs[:, :g], probs, jnp.zeros(r, int), active)
     before = verify_sampling._cache_size()
+    # The same function under a jit of its own that fails on a second trace.
+    chex.clear_trace_counter()
+    once = jax.jit(chex.assert_max_traces(verify_sampling.__wrapped__, n=1))
     for i in range(4):  # new values (lengths, masks, keys) must not retrace
         n = (jnp.arange(r) + i) % (g + 1)
-        verify_sampling(jax.random.key(i), drafts, probs[:, :g], probs, n, active.at[i].set(False))
+        args = (jax.random.key(i), drafts, probs[:, :g], probs, n, active.at[i].set(False))
+        chex.assert_trees_all_equal(once(*args), verify_sampling(*args))
     assert verify_sampling._cache_size() == before
 
 

@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -166,10 +167,8 @@ def test_qkv_kernels_are_out_first_and_older_drafter_files_still_load(tmp_path):
     attn = params["backbone"]["layers_0"]["self_attn"]
     D, hd, H, KV = TGT.hidden_size, TGT.head_dim, TGT.num_attention_heads, TGT.num_key_value_heads
     assert D != hd  # so a swapped layout cannot pass for the right one
-    assert attn["q_proj"]["kernel"].shape == (H, hd, D)
-    assert attn["k_proj"]["kernel"].shape == (KV, hd, D)
-    assert attn["v_proj"]["kernel"].shape == (KV, hd, D)
-    assert attn["o_proj"]["kernel"].shape == (H, hd, D)
+    chex.assert_shape([attn["q_proj"]["kernel"], attn["o_proj"]["kernel"]], (H, hd, D))
+    chex.assert_shape([attn["k_proj"]["kernel"], attn["v_proj"]["kernel"]], (KV, hd, D))
 
     out = tmp_path / "drafter"
     save_drafter(out, cfg, TGT, params)
@@ -185,12 +184,10 @@ def test_qkv_kernels_are_out_first_and_older_drafter_files_still_load(tmp_path):
         save_file(tensors, str(out / "model.safetensors"))
         (out / "drafter_config.json").write_text(json.dumps({**meta, "format": fmt}))
         _, loaded = load_drafter(out, TGT)
-        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        chex.assert_trees_all_equal(loaded, params, strict=True)
         # Read block by block onto a mesh: the file's axes are sliced, then moved.
         _, placed = load_drafter(out, TGT, mesh=make_mesh(data=2, tensor=4))
-        for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(params), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        chex.assert_trees_all_equal(placed, params, strict=True)
 
     tensors["backbone/layers_0/self_attn/k_proj/kernel"] = np.zeros((KV, 3, hd), np.float32)
     save_file(tensors, str(out / "model.safetensors"))
@@ -245,7 +242,7 @@ def test_params_have_logical_names():
         leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
         for leaf in leaves:
             assert isinstance(leaf, nn.Partitioned), f"unnamed parameter {leaf}"
-            assert len(leaf.names) == leaf.value.ndim
+            chex.assert_rank(leaf.value, len(leaf.names))
             assert all(n in rules for n in leaf.names), leaf.names
 
 
@@ -257,11 +254,13 @@ def test_dspark_shapes_and_bad_input():
     f_dim = feature_dim(d.config, TGT)
     feats, valid, toks, seq, anchor = _packed_batch(f_dim)
     logits, conf, h = _train_fn(d)(p, feats, valid, toks, seq, anchor)
-    assert logits.shape == (5, GAMMA, TGT.vocab_size) and logits.dtype == jnp.float32
-    assert conf.shape == (5, GAMMA) and h.shape == (5, GAMMA, TGT.hidden_size)
+    chex.assert_shape(logits, (5, GAMMA, TGT.vocab_size))
+    chex.assert_type(logits, jnp.float32)
+    chex.assert_shape(conf, (5, GAMMA))
+    chex.assert_shape(h, (5, GAMMA, TGT.hidden_size))
     out = _draft_fn(d)(p, feats, jnp.array([3, 7]), jnp.array([1, 2]), jax.random.key(0), 1.0)
-    assert out.tokens.shape == (2, GAMMA) and out.probs.shape == (2, GAMMA, TGT.vocab_size)
-    assert out.confidence.shape == (2, GAMMA)
+    chex.assert_shape([out.tokens, out.confidence], (2, GAMMA))
+    chex.assert_shape(out.probs, (2, GAMMA, TGT.vocab_size))
     np.testing.assert_allclose(np.asarray(out.probs.sum(-1)), 1.0, atol=1e-5)
     with pytest.raises(ValueError, match="expected 3 taps"):
         _train_fn(d)(p, feats[..., :-1], valid, toks, seq, anchor)
@@ -299,10 +298,10 @@ def test_paged_context_drafts_like_features_and_writes_only_its_block(kind):
     kv, states = d.apply(
         {"params": p}, feats, positions, next_ids, embed, method="context_cache"
     )  # fmt: skip
-    assert kv.shape == (r, m, layers, 2 * kvh, hd)
+    chex.assert_shape(kv, (r, m, layers, 2 * kvh, hd))
     query = None
     if cfg.next_token_states:
-        assert states.shape == (r, m, TGT.hidden_size)
+        chex.assert_shape(states, (r, m, TGT.hidden_size))
         query = states[jnp.arange(r), ctx_len - 1]
     else:
         assert states is None
@@ -329,8 +328,8 @@ def test_paged_context_drafts_like_features_and_writes_only_its_block(kind):
     out = draft(cached(pages, writable=writable))
     # Writable slots draft exactly; slot 2 reads its block positions as they are (a slot
     # that may not write is a finished one, whose drafts are never used).
-    np.testing.assert_allclose(np.asarray(out.probs[:2]), np.asarray(ref.probs[:2]), atol=2e-5)
-    np.testing.assert_array_equal(np.asarray(out.tokens[:2]), np.asarray(ref.tokens[:2]))
+    chex.assert_trees_all_close(out.probs[:2], ref.probs[:2], atol=2e-5, rtol=0)
+    chex.assert_trees_all_equal(out.tokens[:2], ref.tokens[:2])
     # Only the writable slots' block positions changed.
     new_pages = pages if out.context is None else out.context
     changed = np.any(np.asarray(new_pages != pages), axis=(0, 3, 4))  # [pages, offsets]
@@ -365,10 +364,9 @@ def test_block_visibility():
     # Forbidden: own sequence at/after the anchor, the other sequence, other blocks' tokens.
     for s_, t_ in [(0, 7), (0, 11), (1, 2)]:
         out, c, _ = f(p, feats.at[s_, t_].add(noise), valid, toks, seq, anchor)
-        np.testing.assert_allclose(np.asarray(out[n]), np.asarray(base[n]), atol=1e-5)
-        np.testing.assert_allclose(np.asarray(c[n]), np.asarray(conf0[n]), atol=1e-5)
+        chex.assert_trees_all_close((out[n], c[n]), (base[n], conf0[n]), atol=1e-5, rtol=0)
     out, _, _ = f(p, feats, valid, toks.at[0].set((toks[0] + 1) % 64), seq, anchor)
-    np.testing.assert_allclose(np.asarray(out[n]), np.asarray(base[n]), atol=1e-5)
+    chex.assert_trees_all_close(out[n], base[n], atol=1e-5, rtol=0)
     # Allowed: own sequence before the anchor; the anchor token itself.
     out, _, _ = f(p, feats.at[0, 6].add(noise), valid, toks, seq, anchor)
     assert np.abs(np.asarray(out[n] - base[n])).max() > 1e-3
@@ -378,7 +376,7 @@ def test_block_visibility():
     assert np.abs(np.asarray(out[n] - base[n])).max() > 1e-3
     # Padding columns are never visible (block 4: sequence 1, anchor 9 > invalid 10, 11).
     out, _, _ = f(p, feats, valid.at[1, 10].set(True), toks, seq, anchor)
-    np.testing.assert_allclose(np.asarray(out[4]), np.asarray(base[4]), atol=1e-5)
+    chex.assert_trees_all_close(out[4], base[4], atol=1e-5, rtol=0)
 
 
 def test_packed_equals_unpacked():
@@ -396,8 +394,7 @@ def test_packed_equals_unpacked():
             jnp.zeros((1,), jnp.int32),
             anchor[n : n + 1],
         )
-        np.testing.assert_allclose(np.asarray(one[0]), np.asarray(packed[n]), atol=2e-5)
-        np.testing.assert_allclose(np.asarray(c1[0]), np.asarray(conf[n]), atol=2e-5)
+        chex.assert_trees_all_close((one[0], c1[0]), (packed[n], conf[n]), atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("head", ["markov", "rnn", "gated"])
@@ -420,15 +417,13 @@ def test_scan_sampling_matches_stepwise_reference(head):
         logits, conf, _ = train(p, feats, valid_all, block, jnp.arange(3), ctx_len)
         probs = _process(logits[:, k], temperature, top_k=8)
         tok = _sample(keys[k], probs)
-        np.testing.assert_array_equal(np.asarray(out.tokens[:, k]), np.asarray(tok))
-        np.testing.assert_allclose(np.asarray(out.probs[:, k]), np.asarray(probs), atol=1e-5)
-        np.testing.assert_allclose(
-            np.asarray(out.confidence_logits[:, k]), np.asarray(conf[:, k]), atol=1e-4
-        )
+        chex.assert_trees_all_equal(out.tokens[:, k], tok)
+        chex.assert_trees_all_close(out.probs[:, k], probs, atol=1e-5, rtol=0)
+        chex.assert_trees_all_close(out.confidence_logits[:, k], conf[:, k], atol=1e-4, rtol=0)
         if k + 1 < GAMMA:
             block = block.at[:, k + 1].set(tok)
     picked = jnp.take_along_axis(out.probs, out.tokens[..., None], -1)[..., 0]
-    np.testing.assert_allclose(np.asarray(out.token_probs), np.asarray(picked), atol=1e-6)
+    chex.assert_trees_all_close(out.token_probs, picked, atol=1e-6, rtol=0)
     # Greedy row: every draft is the argmax of its distribution.
     assert bool(jnp.all(out.tokens[2] == jnp.argmax(out.probs[2], -1)))
 
@@ -444,13 +439,12 @@ def test_markov_rank0_is_backbone():
     lf, cf, _ = _train_fn(dfl)(p0, feats, valid, toks, seq, anchor)
     backbone_logits = apply_lm_head(_target_io()[1], h8, TGT.vocab_size)
     assert c0 is None and cf is None
-    np.testing.assert_allclose(np.asarray(l0), np.asarray(backbone_logits), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(lf), np.asarray(backbone_logits), atol=1e-5)
+    chex.assert_trees_all_close((l0, lf), (backbone_logits, backbone_logits), atol=1e-5, rtol=0)
     assert np.abs(np.asarray(l8 - backbone_logits)).max() > 1e-4  # the head does something
     # Without a head the draft distribution at each position ignores earlier samples.
     out = _draft_fn(dfl)(p0, feats, jnp.array([4, 6]), jnp.array([1, 2]), jax.random.key(3), 1.0)
     ref = jax.nn.softmax(_dflash_ref(dfl, p0, feats), -1)
-    np.testing.assert_allclose(np.asarray(out.probs), np.asarray(ref), atol=1e-5)
+    chex.assert_trees_all_close(out.probs, ref, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -468,7 +462,7 @@ def test_zero_bias_head_init_starts_as_backbone_and_learns_fast(head, factor):
     feats, valid, toks, seq, anchor = _packed_batch(feature_dim(d.config, TGT))
     logits, _, h = _train_fn(d)(p, feats, valid, toks, seq, anchor)
     base = apply_lm_head(_target_io()[1], h, TGT.vocab_size)
-    np.testing.assert_array_equal(np.asarray(logits), np.asarray(base))
+    chex.assert_trees_all_equal(logits, base)
     embed, lm = _target_io()
     labels = jnp.roll(toks, -1, axis=1)
 
@@ -501,7 +495,7 @@ def test_confidence_non_anticipation(head):
     _, base, _ = f(p, feats, valid, toks, seq, anchor)
     for k in range(1, GAMMA):  # change the token that output k-1 predicts (= x_{k-1} of k)
         _, c, _ = f(p, feats, valid, toks.at[:, k].set((toks[:, k] + 7) % 64), seq, anchor)
-        np.testing.assert_allclose(np.asarray(c[:, :k]), np.asarray(base[:, :k]), atol=1e-6)
+        chex.assert_trees_all_close(c[:, :k], base[:, :k], atol=1e-6, rtol=0)
         assert np.abs(np.asarray(c[:, k] - base[:, k])).min() > 1e-6
 
 
@@ -523,7 +517,8 @@ def test_eagle3_train_and_draft_consistency():
     c = jnp.array([3, 5], jnp.int32)
     anchors = tokens[jnp.arange(2), c]
     out = _draft_fn(d)(p, feats, c, anchors, jax.random.key(1), 1.0, context_tokens=tokens)
-    assert out.tokens.shape == (2, GAMMA) and out.confidence_logits is None
+    chex.assert_shape(out.tokens, (2, GAMMA))
+    assert out.confidence_logits is None
     # Teacher-force the sampled drafts after the anchor: step i at t = c-1 must reproduce
     # the distribution the drafter sampled token i from.
     seq = tokens
@@ -535,29 +530,30 @@ def test_eagle3_train_and_draft_consistency():
         )
     )
     logits = train(p, feats, seq, jnp.ones(seq.shape, bool))
-    assert logits.shape == (GAMMA, 2, 10, TGT.vocab_size)
+    chex.assert_shape(logits, (GAMMA, 2, 10, TGT.vocab_size))
     for r in range(2):
         ref = jax.nn.softmax(logits[:, r, int(c[r]) - 1], -1)
-        np.testing.assert_allclose(np.asarray(out.probs[r]), np.asarray(ref), atol=1e-5)
+        chex.assert_trees_all_close(out.probs[r], ref, atol=1e-5, rtol=0)
     # Context features at/after the anchor position are invisible to the draft.
     out2 = _draft_fn(d)(
         p, feats.at[:, 5:].add(3.0), c, anchors, jax.random.key(1), 1.0, context_tokens=tokens
     )
-    np.testing.assert_allclose(np.asarray(out2.probs), np.asarray(out.probs), atol=1e-6)
+    chex.assert_trees_all_close(out2.probs, out.probs, atol=1e-6, rtol=0)
     # Step i of training does not see tokens beyond t + 1 + i.
     l2 = train(p, feats, seq.at[:, 8:].set(0), jnp.ones(seq.shape, bool))
-    np.testing.assert_allclose(np.asarray(l2[0, :, :6]), np.asarray(logits[0, :, :6]), atol=1e-5)
+    chex.assert_trees_all_close(l2[0, :, :6], logits[0, :, :6], atol=1e-5, rtol=0)
 
 
 def test_mtp1_train_and_draft_consistency():
     d, p = _drafter(kind="mtp1", gamma=1, num_layers=1, mask_token_id=None)
     embed, lm = _target_io()
     feats, tokens = _seq_case(d)
-    assert feats.shape[-1] == TGT.hidden_size
+    chex.assert_axis_dimension(feats, -1, TGT.hidden_size)
     c = jnp.array([4, 9], jnp.int32)
     anchors = tokens[jnp.arange(2), c]
     out = _draft_fn(d)(p, feats, c, anchors, jax.random.key(2), 0.0, context_tokens=tokens)
-    assert out.tokens.shape == (2, 1) and out.probs.shape == (2, 1, TGT.vocab_size)
+    chex.assert_shape(out.tokens, (2, 1))
+    chex.assert_shape(out.probs, (2, 1, TGT.vocab_size))
     logits = d.apply(
         {"params": p},
         feats,
@@ -567,7 +563,7 @@ def test_mtp1_train_and_draft_consistency():
         lm,
         method="train_forward",
     )
-    assert logits.shape == (2, 10, TGT.vocab_size)
+    chex.assert_shape(logits, (2, 10, TGT.vocab_size))
     for r in range(2):
         assert int(out.tokens[r, 0]) == int(jnp.argmax(logits[r, int(c[r]) - 1]))
     with pytest.raises(ValueError, match="needs context_tokens"):

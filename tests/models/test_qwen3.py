@@ -1,5 +1,8 @@
 """Qwen3 model: cached decoding equals the full forward, taps, scan, and error paths."""
 
+import functools
+
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,12 +16,17 @@ from dspark_jax.ops.paged_attention import layout_for_rows
 CFG = PRESETS["tiny"]
 
 
-@pytest.fixture(scope="module")
-def model_and_params():
+@functools.cache
+def _model_and_params():
     model = Qwen3(CFG)
     tokens = jnp.zeros((1, 8), jnp.int32)
     params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
     return model, params
+
+
+@pytest.fixture(scope="module")
+def model_and_params():
+    return _model_and_params()
 
 
 # Jitted apply: eager op-by-op dispatch of a scanned model is slow on CPU.
@@ -32,7 +40,7 @@ def _tokens(batch, length, seed=1):
 def test_layers_are_stacked(model_and_params):
     _, params = model_and_params
     kernel = params["layers"]["layer"]["mlp"]["gate_proj"]["kernel"]
-    assert kernel.shape == (CFG.num_hidden_layers, CFG.hidden_size, CFG.intermediate_size)
+    chex.assert_shape(kernel, (CFG.num_hidden_layers, CFG.hidden_size, CFG.intermediate_size))
 
 
 PAGE = 4  # small pages: every sequence spans several, handed out in shuffled order
@@ -70,7 +78,7 @@ def test_token_by_token_cache_matches_full_forward(model_and_params):
     table = table[jnp.array([2, 0])]  # the two rows use slots 2 and 0's pages
     for t in range(12):
         logits, cache, _ = _decode(params, cache, table, tokens[:, t], [t, t], [0, 1])
-        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
+        chex.assert_trees_all_close(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
 
 
 def test_chunked_decode_with_slots_at_different_lengths(model_and_params):
@@ -85,7 +93,7 @@ def test_chunked_decode_with_slots_at_different_lengths(model_and_params):
     )
     for b in range(3):
         n = int(lengths[b])
-        np.testing.assert_allclose(logits[b, :n], full[b, :n], atol=1e-5, rtol=1e-5)
+        chex.assert_trees_all_close(logits[b, :n], full[b, :n], atol=1e-5, rtol=1e-5)
     # Then chunks of 4 rows per slot (one token each), each slot continuing from its own
     # length; the last chunk is partly invalid (past the 14 tokens we have).
     pos = np.array(lengths)
@@ -102,7 +110,7 @@ def test_chunked_decode_with_slots_at_different_lengths(model_and_params):
         for b in range(3):
             for j in range(4):
                 if valid[b, j]:
-                    np.testing.assert_allclose(
+                    chex.assert_trees_all_close(
                         logits[b, j], full[b, chunk_pos[b, j]], atol=1e-5, rtol=1e-5
                     )
         pos = np.minimum(pos + 4, 14)
@@ -119,7 +127,7 @@ def test_packed_rows_of_one_slot(model_and_params):
     )
     # Four rows of slot 1 after an empty slot 0.
     logits, _, _ = _decode(params, cache, table, tokens[0, 6:10], np.arange(6, 10), [1] * 4)
-    np.testing.assert_allclose(logits[:, 0], full[0, 6:10], atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(logits[:, 0], full[0, 6:10], atol=1e-5, rtol=1e-5)
 
 
 def test_rolled_back_entries_are_ignored(model_and_params):
@@ -137,32 +145,42 @@ def test_rolled_back_entries_are_ignored(model_and_params):
         {"params": params}, tokens[:, :5], jnp.array([5]), table, cache, method=Qwen3.prefill
     )
     logits, _, _ = _decode(params, cache, table, tokens[0, 5:8], np.arange(5, 8), [0] * 3)
-    np.testing.assert_allclose(logits[:, 0], full[0, 5:8], atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(logits[:, 0], full[0, 5:8], atol=1e-5, rtol=1e-5)
 
 
-def test_segments_isolate_packed_documents(model_and_params):
-    model, params = model_and_params
-    a, b = _tokens(1, 5, seed=6), _tokens(1, 7, seed=7)
-    packed = jnp.concatenate([a, b], axis=1)
-    seg = jnp.array([[1] * 5 + [2] * 7])
-    pos = jnp.array([list(range(5)) + list(range(7))])
-    out = _apply({"params": params}, packed, pos, seg)
-    np.testing.assert_allclose(out[:, :5], _apply({"params": params}, a), atol=1e-5)
-    np.testing.assert_allclose(out[:, 5:], _apply({"params": params}, b), atol=1e-5)
+class ForwardTest(chex.TestCase):
+    """The full forward, traced under jit and run op by op (chex variants)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_segments_isolate_packed_documents(self):
+        model, params = _model_and_params()
+        apply = self.variant(model.apply)
+        a, b = _tokens(1, 5, seed=6), _tokens(1, 7, seed=7)
+        packed = jnp.concatenate([a, b], axis=1)
+        seg = jnp.array([[1] * 5 + [2] * 7])
+        pos = jnp.array([list(range(5)) + list(range(7))])
+        out = apply({"params": params}, packed, pos, seg)
+        chex.assert_shape(out, (1, 12, CFG.vocab_size))
+        alone = (apply({"params": params}, a), apply({"params": params}, b))
+        chex.assert_trees_all_close((out[:, :5], out[:, 5:]), alone, atol=1e-5, rtol=0)
+        # The same logits as the module's jitted forward the other tests use.
+        chex.assert_trees_all_close(
+            out, _apply({"params": params}, packed, pos, seg), atol=1e-5, rtol=0
+        )
 
 
 def test_taps_are_layer_outputs(model_and_params):
     model, params = model_and_params
     tokens = _tokens(2, 6, seed=8)
     logits, taps = _apply({"params": params}, tokens, taps=(0, 2))
-    assert taps.shape == (2, 2, 6, CFG.hidden_size)
+    chex.assert_shape(taps, (2, 2, 6, CFG.hidden_size))
     # Tap 2 of a 4-layer model run with 3 layers equals that model's (un-normed) output.
     short = CFG.replace(num_hidden_layers=3)
     short_params = jax.tree.map(lambda x: x, params)
     short_params["layers"] = jax.tree.map(lambda x: x[:3], params["layers"])
     _, short_taps = Qwen3(short).apply({"params": short_params}, tokens, taps=(0,))
-    np.testing.assert_allclose(short_taps[0], taps[0], atol=1e-6)
-    np.testing.assert_allclose(logits, _apply({"params": params}, tokens), atol=1e-6)
+    chex.assert_trees_all_close(short_taps[0], taps[0], atol=1e-6, rtol=0)
+    chex.assert_trees_all_close(logits, _apply({"params": params}, tokens), atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="last layer may not be tapped"):
         _apply({"params": params}, tokens, taps=(3,))
 
@@ -243,14 +261,15 @@ def test_out_first_kernel_holds_the_input_major_values_and_computes_the_same():
     ref = Projection(**kw)
     p = nn.unbox(ours.init(jax.random.key(0), x))
     q = nn.unbox(ref.init(jax.random.key(0), x))
-    assert p["params"]["kernel"].shape == (4, 8, 16) and q["params"]["kernel"].shape == (16, 4, 8)
-    np.testing.assert_array_equal(
+    chex.assert_shape(p["params"]["kernel"], (4, 8, 16))
+    chex.assert_shape(q["params"]["kernel"], (16, 4, 8))
+    chex.assert_trees_all_equal(
         p["params"]["kernel"], np.transpose(q["params"]["kernel"], (1, 2, 0))
     )
-    np.testing.assert_allclose(ours.apply(p, x), ref.apply(q, x), rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(ours.apply(p, x), ref.apply(q, x), rtol=1e-6, atol=1e-6)
     # The formulation traced for an accelerator (one dot over the 3-D kernel; on CPU a 2-D
     # x @ W.T, which XLA:CPU multiplies without copying the kernel) computes the same.
     from dspark_jax.ops.flash_attention import compile_platform
 
     with compile_platform("tpu"):
-        np.testing.assert_allclose(ours.apply(p, x), ref.apply(q, x), rtol=1e-6, atol=1e-6)
+        chex.assert_trees_all_close(ours.apply(p, x), ref.apply(q, x), rtol=1e-6, atol=1e-6)
