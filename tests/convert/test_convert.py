@@ -3,6 +3,7 @@
 import json
 import os
 
+import chex
 import flax
 import jax
 import jax.numpy as jnp
@@ -50,11 +51,8 @@ def flat(tree):
 
 
 def assert_trees_equal(a, b):
-    fa, fb = flat(a), flat(b)
-    assert fa.keys() == fb.keys()
-    for k in fa:
-        assert fa[k].dtype == fb[k].dtype, k
-        np.testing.assert_array_equal(np.asarray(fa[k]), np.asarray(fb[k]), err_msg=str(k))
+    """Same keys, and per leaf the same shape, dtype and values (a failure names the path)."""
+    chex.assert_trees_all_equal(a, b, strict=True)
 
 
 def write_checkpoint(path, hf_config: dict, state: dict):
@@ -83,14 +81,14 @@ def test_layout_matches_torch_linear_convention():
     d, hd = cfg.hidden_size, cfg.head_dim
     i, h, j, layer_idx = 5, 3, 6, 1
     q = sd[f"model.layers.{layer_idx}.self_attn.q_proj.weight"]
-    assert q.shape == (cfg.num_attention_heads * hd, d)
+    chex.assert_shape(q, (cfg.num_attention_heads * hd, d))
     assert q[h * hd + j, i] == layer["self_attn"]["q_proj"]["kernel"][layer_idx, h, j, i]
     k = sd[f"model.layers.{layer_idx}.self_attn.k_proj.weight"]
     assert k[1 * hd + j, i] == layer["self_attn"]["k_proj"]["kernel"][layer_idx, 1, j, i]
     o = sd[f"model.layers.{layer_idx}.self_attn.o_proj.weight"]
     assert o[i, h * hd + j] == layer["self_attn"]["o_proj"]["kernel"][layer_idx, h, j, i]
     down = sd[f"model.layers.{layer_idx}.mlp.down_proj.weight"]
-    assert down.shape == (d, cfg.intermediate_size)
+    chex.assert_shape(down, (d, cfg.intermediate_size))
     assert down[i, 7] == layer["mlp"]["down_proj"]["kernel"][layer_idx, 7, i]
     assert sd["lm_head.weight"][11, i] == params["lm_head"]["kernel"][i, 11]
     np.testing.assert_array_equal(

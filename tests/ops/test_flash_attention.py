@@ -4,6 +4,7 @@ gradients, packed segments; the target uses it in training, scoring and prefill.
 
 from __future__ import annotations
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -31,8 +32,10 @@ def test_blocked_matches_dense_values_and_gradients(dtype, tol):
     q, k, v, seg = _qkv(dtype)
     dense = fa.dense_attention(q, k, v, seg)
     blocked = jax.jit(lambda *a: fa.blocked_attention(*a, block=64))(q, k, v, seg)  # 200 % 64
-    np.testing.assert_allclose(
-        np.asarray(blocked, np.float32), np.asarray(dense, np.float32), atol=tol, rtol=tol
+    chex.assert_equal_shape([blocked, dense, q])
+    chex.assert_type(blocked, dtype)
+    chex.assert_trees_all_close(
+        blocked.astype(jnp.float32), dense.astype(jnp.float32), atol=tol, rtol=tol
     )
     if dtype != jnp.float32:
         return
@@ -42,14 +45,13 @@ def test_blocked_matches_dense_values_and_gradients(dtype, tol):
 
     want = jax.grad(loss(fa.dense_attention), argnums=(0, 1, 2))(q, k, v)
     got = jax.grad(loss(lambda *a: fa.blocked_attention(*a, block=64)), argnums=(0, 1, 2))(q, k, v)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)  # d/dq, d/dk, d/dv
 
 
 def test_splash_in_interpret_mode_matches_dense():
     q, k, v, seg = _qkv(jnp.float32, b=1, t=256, d=128, seed=1)
     got = fa.causal_attention(q, k, v, seg, "splash", interpret=True)
-    np.testing.assert_allclose(got, fa.dense_attention(q, k, v, seg), atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(got, fa.dense_attention(q, k, v, seg), atol=1e-5, rtol=1e-5)
 
 
 def test_training_step_has_no_dense_mask():
@@ -78,7 +80,8 @@ def test_target_forward_is_the_same_with_every_backend():
         b: Qwen3(cfg.replace(attention=b)).apply(params, tokens, None, seg)
         for b in ("dense", "xla")
     }
-    np.testing.assert_allclose(out["xla"], out["dense"], atol=1e-5, rtol=1e-5)
+    chex.assert_shape(out["xla"], (2, 40, cfg.vocab_size))
+    chex.assert_trees_all_close(out["xla"], out["dense"], atol=1e-5, rtol=1e-5)
 
 
 def test_backend_resolution_and_errors():
@@ -137,8 +140,9 @@ def test_draft_attention_by_key_chunks_matches_dense(dtype, tol):
     dense, dense_g = run(None)
     for chunk in (64, 128):  # 300 keys: 5 and 3 chunks, the last padded
         out, grads = run(chunk)
-        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(dense, np.float32),
-                                   atol=tol, rtol=tol)  # fmt: skip
+        chex.assert_trees_all_close(
+            out.astype(jnp.float32), dense.astype(jnp.float32), atol=tol, rtol=tol
+        )
         for a, b in zip(grads, dense_g):
             scale = float(jnp.max(jnp.abs(b.astype(jnp.float32)))) + 1.0
             np.testing.assert_allclose(np.asarray(a, np.float32) / scale,
@@ -149,7 +153,7 @@ def test_draft_attention_by_key_chunks_matches_dense(dtype, tol):
     long_mask = jnp.asarray(np.arange(700)[None, None, :] < np.array([5, 400, 699])[:, None, None])
     auto = backbone.multi_source_attention(q, [(long_k, long_v, long_mask)] + sources[1:])
     explicit = backbone._blocked_attention(q, [(long_k, long_v, long_mask)] + sources[1:], 512)
-    np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(explicit, np.float32))
+    chex.assert_trees_all_equal(auto, explicit, strict=True)
 
 
 def test_draft_attention_stores_no_query_by_context_scores():

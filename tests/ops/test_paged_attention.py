@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -55,11 +56,12 @@ def test_backends_match_the_kernels_reference(backend, dtype, tol):
         sm_scale=q.shape[-1] ** -0.5,
     )  # fmt: skip
     n = int(layout.cu_q_lens[-1])
-    assert out.dtype == dtype and out.shape == q.shape
-    np.testing.assert_allclose(
-        np.asarray(out[:n], np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol
+    chex.assert_shape(out, q.shape)
+    chex.assert_type(out, dtype)
+    chex.assert_trees_all_close(
+        out[:n].astype(jnp.float32), ref.astype(jnp.float32), atol=tol, rtol=tol
     )
-    np.testing.assert_array_equal(np.asarray(out[n:], np.float32), 0)  # padding rows
+    chex.assert_trees_all_equal(out[n:], jnp.zeros_like(out[n:]))  # padding rows
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -72,10 +74,10 @@ def test_backends_read_only_within_each_length_and_layer(backend):
     flat = layers.reshape((-1,) + kv.shape[1:])
     attend = functools.partial(pa.ragged_attention, backend=backend)
     base = attend(q, kv, layout)
-    np.testing.assert_allclose(attend(q, flat, layout, 0), base, atol=1e-6)
+    chex.assert_trees_all_close(attend(q, flat, layout, 0), base, atol=1e-6, rtol=0)
     # Layer 1 with the real values, reached through the offset.
     flat2 = jnp.stack([kv * 0 - 1e3, kv]).reshape(flat.shape)
-    np.testing.assert_allclose(attend(q, flat2, layout, kv.shape[0]), base, atol=1e-6)
+    chex.assert_trees_all_close(attend(q, flat2, layout, kv.shape[0]), base, atol=1e-6, rtol=0)
     # Poison positions past each length and the null page.
     poisoned = np.array(kv)
     poisoned[0] = 1e4
@@ -85,7 +87,7 @@ def test_backends_read_only_within_each_length_and_layer(backend):
             page = int(layout.page_table[s, pos // ps])
             if page:
                 poisoned[page, pos % ps] = -1e4
-    np.testing.assert_allclose(attend(q, jnp.asarray(poisoned), layout), base, atol=1e-6)
+    chex.assert_trees_all_close(attend(q, jnp.asarray(poisoned), layout), base, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("rows, pages", [(1, 1), (2, 2), (4, 8)])
@@ -102,7 +104,8 @@ def test_gpu_kernel_blocks_do_not_change_the_result(rows, pages):
         rows_per_block=rows, pages_per_block=pages, interpret=True,
     )  # fmt: skip
     ref = pa.ragged_attention(q, kv, layout, backend="xla")
-    np.testing.assert_allclose(out[:n], ref[:n], atol=1e-5, rtol=1e-5)
+    chex.assert_equal_shape([out, ref, q])
+    chex.assert_trees_all_close(out[:n], ref[:n], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -262,7 +265,9 @@ def test_block_attention_reads_context_and_whole_block_and_writes_it(backend, dt
         *(jnp.asarray(x, dtype) for x in (q, k, v)), flat, jnp.asarray(table),
         jnp.asarray(ctx_len), jnp.asarray(writable), layer_offset=total, backend=backend,
     )  # fmt: skip
-    assert out.shape == q.shape and out.dtype == dtype
+    chex.assert_shape(out, q.shape)
+    chex.assert_type(out, dtype)
+    chex.assert_equal_shape([written, flat])
     q32, k32, v32 = (np.asarray(jnp.asarray(x, dtype), np.float32) for x in (q, k, v))
     ref = _dense_block_attention(q32, k32, v32, ctx_k, ctx_v, ctx_len)
     ok = writable  # a slot that may not write reads its block positions as they are
@@ -298,7 +303,7 @@ def test_backends_split_over_kv_heads_equal_the_unsplit_result(backend):
         out = attend(qs, kvs)
         # The kernel runs per device (shard_map over the heads); the reference needs none.
         assert ("shard_map" in str(jax.make_jaxpr(attend)(qs, kvs))) == (backend != "xla")
-    np.testing.assert_allclose(np.asarray(out), np.asarray(base), atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(out, base, atol=1e-5, rtol=1e-5)
 
 
 def test_serving_round_with_the_gpu_kernel_lowers_for_cuda():

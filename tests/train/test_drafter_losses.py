@@ -1,5 +1,6 @@
 """Drafter losses against independent numpy computations of the DESIGN §4 formulas."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,11 +49,12 @@ def test_dspark_loss_matches_numpy(decay, alphas):
         jnp.asarray(mask), decay=decay, alpha_ce=a_ce, alpha_tv=a_tv, alpha_conf=a_conf,
     )  # fmt: skip
     want, ce, tv, bce = _numpy_dspark(draft, target, conf, labels, mask, decay, *alphas)
-    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
-    np.testing.assert_allclose(float(terms["l_ce"]), ce, rtol=1e-5)
-    np.testing.assert_allclose(float(terms["l_tv"]), tv, rtol=1e-5)
-    np.testing.assert_allclose(float(terms["l_conf"]), bce, rtol=1e-5)
-    np.testing.assert_allclose(float(terms["accept"]), 1 - 0.5 * tv, rtol=1e-5)
+    chex.assert_shape(loss, ())
+    got = {"loss": loss, **{k: terms[k] for k in ("l_ce", "l_tv", "l_conf", "accept")}}
+    chex.assert_trees_all_close(
+        got, {"loss": want, "l_ce": ce, "l_tv": tv, "l_conf": bce, "accept": 1 - 0.5 * tv},
+        rtol=1e-5,
+    )  # fmt: skip
 
 
 def test_dflash_without_confidence_and_masked_positions_do_not_count():
@@ -69,7 +71,7 @@ def test_dflash_without_confidence_and_masked_positions_do_not_count():
         jnp.asarray(draft2), None, jnp.asarray(target), jnp.asarray(labels), jnp.asarray(mask),
         alpha_ce=1.0, alpha_tv=0.0, alpha_conf=0.0,
     )  # fmt: skip
-    np.testing.assert_allclose(float(loss), float(loss2), rtol=1e-6)
+    chex.assert_trees_all_close(loss2, loss, rtol=1e-6)
     with pytest.raises(ValueError, match="confidence"):
         L.dspark_loss(jnp.asarray(draft), None, jnp.asarray(target), jnp.asarray(labels),
                       jnp.asarray(mask), alpha_conf=1.0)  # fmt: skip
@@ -85,14 +87,14 @@ def test_confidence_target_is_detached_and_p_t_is_frozen():
     gd, gt, gc = jax.grad(f, argnums=(0, 1, 2))(
         jnp.asarray(draft), jnp.asarray(target), jnp.asarray(conf)
     )
-    assert np.all(np.asarray(gd) == 0) and np.all(np.asarray(gt) == 0)
+    chex.assert_trees_all_equal((gd, gt), (jnp.zeros_like(gd), jnp.zeros_like(gt)))
     assert np.any(np.asarray(gc) != 0)
     g_tv = jax.grad(
         lambda t: L.dspark_loss(
             jnp.asarray(draft), None, t, jnp.asarray(labels), jnp.asarray(mask), alpha_conf=0.0
         )[0]  # fmt: skip
     )(jnp.asarray(target))
-    assert np.all(np.asarray(g_tv) == 0)
+    chex.assert_trees_all_equal(g_tv, jnp.zeros_like(g_tv))
 
 
 def test_eagle3_loss_matches_numpy():
@@ -116,8 +118,7 @@ def test_eagle3_loss_matches_numpy():
                 num += w * -(p_t * np.log(p_d)).sum()
                 acc += w * np.minimum(p_t, p_d).sum()
                 den += w
-    np.testing.assert_allclose(float(loss), num / den, rtol=1e-5)
-    np.testing.assert_allclose(float(terms["accept"]), acc / den, rtol=1e-5)
+    chex.assert_trees_all_close((loss, terms["accept"]), (num / den, acc / den), rtol=1e-5)
 
 
 def test_mtp_loss_and_acceptance_identity():
@@ -130,9 +131,10 @@ def test_mtp_loss_and_acceptance_identity():
     ce = -np.log(np.take_along_axis(_softmax(logits), labels[..., None], -1)[..., 0])
     np.testing.assert_allclose(float(loss), ce[mask].mean(), rtol=1e-6)
     other = rng.normal(size=(2, 5, 7))
-    acc = np.asarray(L.acceptance(jnp.asarray(logits), jnp.asarray(other)))
+    acc = L.acceptance(jnp.asarray(logits), jnp.asarray(other))
+    chex.assert_shape(acc, (2, 5))
     l1 = np.abs(_softmax(logits) - _softmax(other)).sum(-1)
-    np.testing.assert_allclose(acc, 1 - 0.5 * l1, rtol=1e-5)
+    chex.assert_trees_all_close(acc, 1 - 0.5 * l1, rtol=1e-5)
 
 
 def test_bce_is_stable_for_large_logits():
@@ -150,7 +152,8 @@ def test_ece_from_bin_sums():
     target = jnp.array([0.0, 0.1, 1.0, 0.2])
     mask = jnp.array([1.0, 1.0, 1.0, 0.0])
     cnt, sc, st = L.ece_bin_sums(conf, target, mask)
-    assert cnt.shape == (20,) and float(cnt.sum()) == 3.0
+    chex.assert_shape([cnt, sc, st], (20,))
+    assert float(cnt.sum()) == 3.0
     ece = L.ece_from_sums(*(np.asarray(x).tolist() for x in (cnt, sc, st)))
     # bin [0.05, 0.1): |0.06 - 0.05| weight 2/3; bin [0.9, 0.95): |0.93 - 1| weight 1/3.
     np.testing.assert_allclose(ece, (2 * 0.01 + 0.07) / 3, rtol=1e-5)

@@ -16,6 +16,7 @@ import re
 import shutil
 import sysconfig
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,7 +170,7 @@ def test_pack_blocks_indices_and_label_masks():
     np.testing.assert_array_equal(p.label_valid[3], [0, 0, 0, 0])
     np.testing.assert_array_equal(p.label_pos[1], [8, 9, 10, 11])
     g = A.group_blocks(p, batch_size=2, num_groups=2)
-    assert g.block_tokens.shape == (2, 2, 4)
+    chex.assert_shape(g.block_tokens, (2, 2, 4))
     np.testing.assert_array_equal(g.block_seq, [[0, 0], [0, 0]])
     np.testing.assert_array_equal(g.anchor_pos, [[3, 7], [9, 0]])
 
@@ -196,7 +197,8 @@ def test_lm_head_is_vocab_parallel_for_label_rows(env):
                          in_shardings=(frozen_sh, shd.batch_sharding(mesh, 2)))  # fmt: skip
             compiled = fn.lower(frozen, h).compile()
             out = np.asarray(fn(frozen, h))
-        np.testing.assert_allclose(out, np.asarray(h) @ full, rtol=2e-5, atol=2e-5)
+        chex.assert_shape(out, (rows, vocab))
+        chex.assert_trees_all_close(out, np.asarray(h) @ full, rtol=2e-5, atol=2e-5)
         whole_weight = re.search(rf"\[{d},{vocab}\]", compiled.as_text()) is not None
         assert whole_weight == (rows >= vocab), rows
 
@@ -232,8 +234,9 @@ def test_grouped_packed_forward_equals_per_block_forward(env):
 
     for i in range(packed.block_seq.shape[0]):
         lone_l, lone_c = lone(packed.block_seq[i], packed.block_tokens[i], packed.anchor_pos[i])
-        np.testing.assert_allclose(logits[i], lone_l[0], rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(conf[i], lone_c[0], rtol=1e-4, atol=1e-4)
+        chex.assert_trees_all_close(
+            (logits[i], conf[i]), (lone_l[0], lone_c[0]), rtol=1e-4, atol=1e-4
+        )
 
 
 # -- training runs ------------------------------------------------------------------------
@@ -285,9 +288,7 @@ def test_trains_with_decreasing_loss_and_sharded_run_matches(env, dspark_run, ki
     w8 = str(tmp_path / "eight")
     train(_cfg(env, kind, mesh__data=2, mesh__fsdp=2, mesh__tensor=2), w8, progress=False)
     losses8 = _losses(w8)
-    a = np.array([losses1[s] for s in sorted(losses1)])
-    b = np.array([losses8[s] for s in sorted(losses8)])
-    np.testing.assert_allclose(a, b, rtol=0, atol=2e-3)
+    chex.assert_trees_all_close(losses8, losses1, rtol=0, atol=2e-3)  # {step: loss}
 
 
 @pytest.mark.slow  # 18 s; DSpark's training is tested beside it
@@ -352,11 +353,7 @@ def test_export_writes_loadable_drafter_with_card(env, dspark_run, tmp_path):
     assert "accepted length" in open(os.path.join(out, "README.md")).read()
     module, params = load_drafter(out, read_hf_config(env["target"]))
     _, _, _, trained, _ = restore_params(work, tasks=("drafter",))
-    jax.tree.map(
-        lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
-        jax.device_get(trained),
-        params,
-    )
+    chex.assert_trees_all_equal(jax.device_get(trained), params)
     # Re-exporting over the directory drops a calibration fitted on the earlier weights.
     bundled = os.path.join(REPO, "assets", "drafters")
     for name in ("sts.json", "sts_data.npz"):

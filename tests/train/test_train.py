@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -67,9 +68,7 @@ def test_loss_decreases_and_sharded_run_matches(corpus, one_device_run, tmp_path
     cfg8 = _cfg(corpus, mesh__data=2, mesh__fsdp=2, mesh__tensor=2)
     train(cfg8, str(tmp_path), progress=False)
     losses8 = _losses(str(tmp_path))
-    a = np.array([losses1[s] for s in sorted(losses1)])
-    b = np.array([losses8[s] for s in sorted(losses8)])
-    np.testing.assert_allclose(a, b, rtol=0, atol=2e-3)
+    chex.assert_trees_all_close(losses8, losses1, rtol=0, atol=2e-3)  # {step: loss}
 
 
 def test_kill_and_resume_replays_the_same_losses(corpus, tmp_path):
@@ -110,11 +109,7 @@ def test_export_writes_a_loadable_hf_directory(corpus, one_device_run, tmp_path)
     assert step == 40
     hf_config, hf_params = load_hf(out)
     assert hf_config.vocab_size == model_config.vocab_size == 320
-    jax.tree.map(
-        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-        jax.device_get(params),
-        jax.device_get(hf_params),
-    )
+    chex.assert_trees_all_equal(jax.device_get(params), jax.device_get(hf_params))
 
 
 def test_init_from_starts_a_fresh_run_from_exported_weights(corpus, one_device_run, tmp_path):
