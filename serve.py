@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TARGET = os.path.join(HERE, "assets", "target")
 DEFAULT_DRAFTER = os.path.join(HERE, "assets", "drafters", "dspark")
 HUMANEVAL = os.path.join(HERE, "..", "shared", "eval_datasets", "humaneval.jsonl")
-# Spelled out here so --help imports no jax (tests/test_serve_cli.py checks they agree with
+# Spelled out here so --help imports no jax (tests/serve/test_serve_cli.py checks they agree with
 # dspark_jax.serve.server).
 API_KEY_ENV = "DSPARK_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -99,7 +99,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--attention",
         # ops.paged_attention.ATTENTION_BACKENDS, spelled out so --help imports no jax
-        # (tests/test_serve_cli.py checks they agree)
+        # (tests/serve/test_serve_cli.py checks they agree)
         choices=("auto", "xla", "pallas_tpu", "pallas_gpu"),
         default="auto",
         help="verify attention backend (auto: the TPU kernel on TPU, the Pallas GPU kernel "

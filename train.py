@@ -1,6 +1,6 @@
 """Train a model (the Qwen3 target, or a drafter task) from a Python config.
 
-    python train.py --config configs/target_pycode.py --workdir workdirs/target_pycode \
+    python train.py --config configs/bundled/target_pycode.py --workdir workdirs/target_pycode \
         [--config.train.steps=100 ...] [--no-progress]
 
 Re-running the same command on the same workdir resumes from the latest checkpoint.
@@ -11,7 +11,7 @@ Multi-host (one process per host, same command everywhere):
 or ``--distributed`` alone on Cloud TPU / Slurm / Open MPI (auto-detected).
 
 Ahead-of-time compile for a topology, nothing allocated (no --workdir needed):
-    python train.py --config configs/drafter_dspark_qwen3_8b.py --aot --aot-topology v5p:4x4x4 \
+    python train.py --config configs/recipes/drafter_dspark_qwen3_8b.py --aot --aot-topology v5p:4x4x4 \
         --aot-mesh 1,64,1 --aot-device-memory-gb 95 [--aot-serve --slots 64 --max-len 4096]
 (``--aot-topology`` needs ``pip install -e '.[tpu]'``: XLA:TPU itself plans the memory;
 ``--aot-devices 64`` instead compiles for 64 fake CPU devices, an estimate.)
@@ -24,7 +24,7 @@ import json
 import sys
 
 CONFIG_HELP = """configuration:
-  --config FILE          the Python config file (required), e.g. configs/drafter_tiny.py;
+  --config FILE          the Python config file (required), e.g. configs/tiny/drafter_tiny.py;
                          it defines get_config() returning the run's settings
   --config.KEY.SUB=VALUE override one setting of that config, e.g.
                            --config.train.steps=100 --config.target.dir=models/my-qwen3
@@ -32,7 +32,8 @@ CONFIG_HELP = """configuration:
                          (repeatable; --config.KEY VALUE works too; a value is read as
                          the type of the setting it replaces: true/false, an integer, a
                          number, a Python list; an unknown key is an error naming it)
-  configs/ holds the bundled ones (drafter_tiny.py: a small drafter for a quick run).
+  configs/ holds the shipped ones, by audience (configs/README.md): bundled/, recipes/
+  (real Qwen3 sizes, your own Qwen3), tiny/ (drafter_tiny.py: a small drafter for a quick run).
 """
 
 

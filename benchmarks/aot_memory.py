@@ -30,13 +30,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ANCHORS_512 = ["--config.drafter.anchors_per_seq=512", "--config.drafter.eval_anchors_per_seq=512"]
 # (name, config, devices, mesh data,fsdp,tensor, extra overrides, serve?)
 TRAIN_ROWS = [
-    ("4B fsdp64", "drafter_dspark_qwen3_4b.py", 64, "1,64,1", [], False),
-    ("4B data8xfsdp8", "drafter_dspark_qwen3_4b.py", 64, "8,8,1", [], False),
-    ("8B fsdp64", "drafter_dspark_qwen3_8b.py", 64, "1,64,1", [], False),
-    ("8B data8xfsdp8", "drafter_dspark_qwen3_8b.py", 64, "8,8,1", [], False),
+    ("4B fsdp64", "recipes/drafter_dspark_qwen3_4b.py", 64, "1,64,1", [], False),
+    ("4B data8xfsdp8", "recipes/drafter_dspark_qwen3_4b.py", 64, "8,8,1", [], False),
+    ("8B fsdp64", "recipes/drafter_dspark_qwen3_8b.py", 64, "1,64,1", [], False),
+    ("8B data8xfsdp8", "recipes/drafter_dspark_qwen3_8b.py", 64, "8,8,1", [], False),
     (
         "8B fsdp64 remat",
-        "drafter_dspark_qwen3_8b.py",
+        "recipes/drafter_dspark_qwen3_8b.py",
         64,
         "1,64,1",
         ["--config.drafter.remat=full"],
@@ -44,20 +44,20 @@ TRAIN_ROWS = [
     ),  # fmt: skip
     (
         "8B fsdp64 T=2048",
-        "drafter_dspark_qwen3_8b.py",
+        "recipes/drafter_dspark_qwen3_8b.py",
         64,
         "1,64,1",
         ["--config.data.seq_len=2048"],
         False,
     ),  # fmt: skip
-    ("14B fsdp64", "drafter_dspark_qwen3_14b.py", 64, "1,64,1", [], False),
-    ("14B data8xfsdp8", "drafter_dspark_qwen3_14b.py", 64, "8,8,1", [], False),
+    ("14B fsdp64", "recipes/drafter_dspark_qwen3_14b.py", 64, "1,64,1", [], False),
+    ("14B data8xfsdp8", "recipes/drafter_dspark_qwen3_14b.py", 64, "8,8,1", [], False),
     # DeepSpec's released DSpark/DFlash recipe supervises 512 anchors per sequence (ours: 32);
     # the draft forward then runs on 512·(γ+1) = 4096 block positions per sequence.
-    ("8B fsdp64 A=512", "drafter_dspark_qwen3_8b.py", 64, "1,64,1", ANCHORS_512, False),
+    ("8B fsdp64 A=512", "recipes/drafter_dspark_qwen3_8b.py", 64, "1,64,1", ANCHORS_512, False),
     (
         "8B fsdp64 A=512 remat",
-        "drafter_dspark_qwen3_8b.py",
+        "recipes/drafter_dspark_qwen3_8b.py",
         64,
         "1,64,1",
         [*ANCHORS_512, "--config.drafter.remat=full"],
@@ -65,7 +65,7 @@ TRAIN_ROWS = [
     ),  # fmt: skip
     (
         "14B fsdp64 A=512 remat",
-        "drafter_dspark_qwen3_14b.py",
+        "recipes/drafter_dspark_qwen3_14b.py",
         64,
         "1,64,1",
         [*ANCHORS_512, "--config.drafter.remat=full"],
@@ -73,7 +73,7 @@ TRAIN_ROWS = [
     ),  # fmt: skip
     (
         "8B serve R=64 M=4096 tp8",
-        "drafter_dspark_qwen3_8b.py",
+        "recipes/drafter_dspark_qwen3_8b.py",
         8,
         "1,1,8",
         ["--aot-serve", "--slots", "64", "--max-len", "4096"],
@@ -81,7 +81,7 @@ TRAIN_ROWS = [
     ),  # fmt: skip
     (
         "14B serve R=64 M=4096 tp8",
-        "drafter_dspark_qwen3_14b.py",
+        "recipes/drafter_dspark_qwen3_14b.py",
         8,
         "1,1,8",
         ["--aot-serve", "--slots", "64", "--max-len", "4096"],

@@ -35,18 +35,18 @@ import os
 
 from drafter_runs import ROOT, train_point
 
-DSPARK = "configs/drafter_dspark.py"
-EAGLE3 = "configs/drafter_eagle3.py"
+DSPARK = "configs/bundled/drafter_dspark.py"
+EAGLE3 = "configs/bundled/drafter_eagle3.py"
 
 _V1 = ["target.dir=assets/target_v1", "data.data_dir=data/distill_v1"]
 
 # name -> (config, overrides, workdir under workdirs/)
 RUNS = {
     "dspark": (DSPARK, [], "drafter_dspark"),
-    "dspark_rnn": ("configs/drafter_dspark_rnn.py", [], "drafter_dspark_rnn"),
-    "dflash": ("configs/drafter_dflash.py", [], "drafter_dflash"),
+    "dspark_rnn": ("configs/bundled/drafter_dspark_rnn.py", [], "drafter_dspark_rnn"),
+    "dflash": ("configs/bundled/drafter_dflash.py", [], "drafter_dflash"),
     "eagle3": (EAGLE3, [], "drafter_eagle3"),
-    "mtp1": ("configs/drafter_mtp1.py", [], "drafter_mtp1"),
+    "mtp1": ("configs/bundled/drafter_mtp1.py", [], "drafter_mtp1"),
     # Equal steps: every arm BUNDLED_STEPS (400), EAGLE-3 then gets 1.9x DSpark's FLOPs.
     "eagle3_steps": (EAGLE3 + ":steps", [], "ablation/eagle3_steps"),
     # Twice the compute budget: DSpark 800 steps; the EAGLE-3 arm is eagle3_steps (400
@@ -64,7 +64,11 @@ RUNS = {
     "eagle3_768": (EAGLE3, ["data.max_train_records=768"], "ablation/eagle3_768"),
     # DeepSpec's released draft depth (5 layers), same steps (more FLOPs per step).
     "dspark_l5": (DSPARK, ["drafter.num_layers=5"], "ablation/dspark_l5"),
-    "dflash_l5": ("configs/drafter_dflash.py", ["drafter.num_layers=5"], "ablation/dflash_l5"),
+    "dflash_l5": (
+        "configs/bundled/drafter_dflash.py",
+        ["drafter.num_layers=5"],
+        "ablation/dflash_l5",
+    ),
     # Block size γ = 4 for both arms (EAGLE-3's training-time test unrolls 4 steps).
     "dspark_g4": (DSPARK, ["drafter.gamma=4"], "ablation/dspark_g4"),
     "eagle3_g4": (EAGLE3, ["drafter.gamma=4"], "ablation/eagle3_g4"),

@@ -1,6 +1,6 @@
 """Drafter quality vs self-distillation data: the curve that sizes ``data/distill``.
 
-    python benchmarks/drafter_data_curve.py [--config configs/drafter_dspark.py] \
+    python benchmarks/drafter_data_curve.py [--config configs/bundled/drafter_dspark.py] \
         [--records 768 1536 3072] [--eval-batches 16]
 
 Trains the config once per training-set size, each on the first N distilled training
@@ -61,7 +61,7 @@ def run(args) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="configs/drafter_dspark.py")
+    p.add_argument("--config", default="configs/bundled/drafter_dspark.py")
     p.add_argument("--records", type=int, nargs="+", default=[768, 1536, 3072])
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--workdir", default=os.path.join(ROOT, "workdirs", "data_curve"))

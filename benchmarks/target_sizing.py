@@ -3,7 +3,7 @@ target's run (model, batch, sequence length, compute precision) from measurement
 
     python benchmarks/target_sizing.py [--steps 30] [--arms NAME ...]
 
-Each arm is ``train.py --config configs/target_pycode.py`` with overrides, run for
+Each arm is ``train.py --config configs/bundled/target_pycode.py`` with overrides, run for
 ``--steps`` steps in a fresh work directory (no evaluation, no checkpoints) as its own
 process, one after another. Reported per arm: parameters, tokens per step, the trainer's
 own tokens/s (compilation excluded), the loss at the last step, and tokens/s relative to
@@ -27,7 +27,7 @@ sys.path.insert(0, ROOT)
 
 from dspark_jax.perf.results import write_result  # noqa: E402
 
-# name -> config overrides (on configs/target_pycode.py).
+# name -> config overrides (on configs/bundled/target_pycode.py).
 ARMS = {
     "small-fp32-4x512": {},
     "small-bf16-4x512": {"train.compute_dtype": "bfloat16"},
@@ -65,7 +65,7 @@ def run_arm(name: str, overrides: dict, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
         args = [
             sys.executable, os.path.join(ROOT, "train.py"),
-            "--config", os.path.join(ROOT, "configs", "target_pycode.py"),
+            "--config", os.path.join(ROOT, "configs", "bundled", "target_pycode.py"),
             "--workdir", workdir, "--no-progress",
             f"--config.train.steps={steps}", "--config.train.eval_every=0",
             "--config.train.checkpoint_every=0", "--config.train.log_every=5",

@@ -2,13 +2,13 @@
 
     python benchmarks/train_budget.py [--target assets/target]
 
-For each bundled arm (``configs/drafter_<arm>.py``) it compiles ``train.py``'s training
+For each bundled arm (``configs/bundled/drafter_<arm>.py``) it compiles ``train.py``'s training
 step for one CPU device and reads XLA's cost analysis (``perf.train_cost``: frozen-target
 forward included, every model loop unrolled), then gives each arm the steps that spend
 the shared budget (``train.bundled``: ``BUNDLED_STEPS`` steps of the budget arm). The FLOPs
 do not depend on the target's weights, only on its shape. Writes
 ``benchmarks/results/train_budget.json`` and ``.md``; ``train/bundled.py``'s
-``BUNDLED_STEP_GFLOPS`` table is these figures (tests/test_train_cost.py checks it).
+``BUNDLED_STEP_GFLOPS`` table is these figures (tests/perf/test_train_cost.py checks it).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def run(args) -> dict:
     arms = {}
     for arm in bundled.BUNDLED_STEP_GFLOPS:
         cfg = load_config(
-            os.path.join(ROOT, "configs", f"drafter_{arm}.py"), [("target.dir", args.target)]
+            os.path.join(ROOT, "configs", "bundled", f"drafter_{arm}.py"),
+            [("target.dir", args.target)],
         )
         cost = train_step_flops(cfg)
         arms[arm] = {

@@ -30,35 +30,35 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# name: (config, preset, topology, mesh data,fsdp,tensor, overrides)
+# name: (config under configs/, preset, topology, mesh data,fsdp,tensor, overrides)
 CASES = {
-    "tiny_v5e4": ("drafter_tiny.py:dspark", "tiny", "v5e:2x2", "1,4,1", {"data.batch_size": 4}),
-    "4b_v5p64": ("drafter_dspark_qwen3_4b.py", "qwen3-4b", "v5p:4x4x4", "1,64,1", {}),
-    "8b_v5p64": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:4x4x4", "1,64,1", {}),
-    "14b_v5p64": ("drafter_dspark_qwen3_14b.py", "qwen3-14b", "v5p:4x4x4", "1,64,1", {}),
+    "tiny_v5e4": ("tiny/drafter_tiny.py:dspark", "tiny", "v5e:2x2", "1,4,1", {"data.batch_size": 4}),
+    "4b_v5p64": ("recipes/drafter_dspark_qwen3_4b.py", "qwen3-4b", "v5p:4x4x4", "1,64,1", {}),
+    "8b_v5p64": ("recipes/drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:4x4x4", "1,64,1", {}),
+    "14b_v5p64": ("recipes/drafter_dspark_qwen3_14b.py", "qwen3-14b", "v5p:4x4x4", "1,64,1", {}),
     # The same 64 chips as data 2 x fsdp 32: XLA:TPU writes the 64-way weight all-gathers of
     # fsdp 64 as all-reduces (twice the ring bytes); 32-way ones stay all-gathers.
-    "8b_v5p64_d2": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:4x4x4", "2,32,1", {}),
+    "8b_v5p64_d2": ("recipes/drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:4x4x4", "2,32,1", {}),
     # DeepSpec's 512 anchors per sequence (fits v5p without remat: aot_memory_v5p.md).
-    "8b_v5p64_a512": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:4x4x4", "1,64,1",
+    "8b_v5p64_a512": ("recipes/drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:4x4x4", "1,64,1",
                       {"drafter.anchors_per_seq": 512}),
-    "8b_v5p64_d2_a512": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:4x4x4", "2,32,1",
+    "8b_v5p64_d2_a512": ("recipes/drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:4x4x4", "2,32,1",
                          {"drafter.anchors_per_seq": 512}),
-    "4b_v5p64_d2_a512": ("drafter_dspark_qwen3_4b.py", "qwen3-4b", "v5p:4x4x4", "2,32,1",
+    "4b_v5p64_d2_a512": ("recipes/drafter_dspark_qwen3_4b.py", "qwen3-4b", "v5p:4x4x4", "2,32,1",
                          {"drafter.anchors_per_seq": 512}),
-    "14b_v5p64_d2_a512": ("drafter_dspark_qwen3_14b.py", "qwen3-14b", "v5p:4x4x4", "2,32,1",
+    "14b_v5p64_d2_a512": ("recipes/drafter_dspark_qwen3_14b.py", "qwen3-14b", "v5p:4x4x4", "2,32,1",
                           {"drafter.anchors_per_seq": 512}),
     # v5e's 16 GB: 512 anchors need the draft layers rematerialised.
-    "8b_v5e64_d2_a512": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5e:8x8", "2,32,1",
+    "8b_v5e64_d2_a512": ("recipes/drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5e:8x8", "2,32,1",
                          {"drafter.anchors_per_seq": 512, "drafter.remat": "full"}),
-    "8b_v5e64": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5e:8x8", "1,64,1", {}),
+    "8b_v5e64": ("recipes/drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5e:8x8", "1,64,1", {}),
     # One sequence per chip as on the 64-chip slice, on a 4-chip slice (compiles faster).
-    "8b_v5p4": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:2x2x1", "1,4,1",
+    "8b_v5p4": ("recipes/drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:2x2x1", "1,4,1",
                 {"data.batch_size": 4, "data.num_shards": 4}),
-    "8b_v5p4_a512": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:2x2x1", "1,4,1",
+    "8b_v5p4_a512": ("recipes/drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5p:2x2x1", "1,4,1",
                      {"data.batch_size": 4, "data.num_shards": 4, "drafter.anchors_per_seq": 512,
                       "drafter.remat": "full"}),
-    "8b_v5e4": ("drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5e:2x2", "1,4,1",
+    "8b_v5e4": ("recipes/drafter_dspark_qwen3_8b.py", "qwen3-8b", "v5e:2x2", "1,4,1",
                 {"data.batch_size": 4, "data.num_shards": 4}),
 }  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""Python config files (``configs/*.py`` with ``get_config()``), CLI overrides, validation.
+"""Python config files (``configs/*/*.py`` with ``get_config()``), CLI overrides, validation.
 
 A config file returns an ``ml_collections.ConfigDict``. ``--config path.py[:arg]`` selects
 it (``arg`` is passed to ``get_config`` when given) and ``--config.a.b=value`` overrides a

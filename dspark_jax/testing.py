@@ -157,7 +157,7 @@ def one_device_subprocess_env(compile_cache_dir) -> dict[str, str]:
 
 
 def smoke_schedule(steps: int, eval_every: int, eval_batches: int, checkpoint_every: int):
-    """``train`` fields of a tiny smoke/test run (configs/*_tiny.py): a high learning rate
+    """``train`` fields of a tiny smoke/test run (configs/tiny/*.py): a high learning rate
     so a few steps move the loss, a log line every step, two checkpoints kept."""
     return dict(
         steps=steps, lr=3e-3, warmup_frac=0.1, log_every=1, eval_every=eval_every,
@@ -202,7 +202,7 @@ def tiny_random_models(
 
 # The special tokens of a Qwen3 tokenizer that matter here, by Qwen3's names: documents end
 # with <|endoftext|>, chat turns are <|im_start|>role ... <|im_end|>, and <|fim_pad|> is the
-# MASK token of configs/drafter_dspark_my_qwen3.py (Qwen3 has no <|mask|>).
+# MASK token of configs/recipes/drafter_dspark_my_qwen3.py (Qwen3 has no <|mask|>).
 QWEN3_SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>",
     "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",

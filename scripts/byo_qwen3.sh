@@ -8,7 +8,7 @@
 # SMALL=1 runs every step at tiny sizes (a 1-layer drafter, 8 steps): the point is that
 # each step runs, not the drafter (minutes on an accelerator; on 2 CPU cores, for a tiny
 # checkpoint). CI runs it that way on a tiny random Qwen3
-# (scripts/make_tiny_qwen3.py; tests/test_byo_qwen3.py), which also checks that the guide's
+# (scripts/make_tiny_qwen3.py; tests/scripts/test_byo_qwen3.py), which also checks that the guide's
 # command block is the STEPS section below.
 #
 # Settings (environment):
@@ -103,7 +103,7 @@ python -m dspark_jax.data.distill --target "$MODEL" --corpus-dir "$WORK/corpus" 
 
 # 3. Train: the named config, the two overrides every run needs, the record length
 step "3. train"
-python train.py --config configs/drafter_dspark_my_qwen3.py --workdir "$WORK/run" \
+python train.py --config configs/recipes/drafter_dspark_my_qwen3.py --workdir "$WORK/run" \
     --config.target.dir="$MODEL" --config.data.data_dir="$WORK/distill" \
     --config.data.seq_len=$((PROMPT_LEN + NEW_TOKENS)) $TRAIN_FLAGS --no-progress
 

@@ -12,7 +12,7 @@ import tempfile
 
 # LLVM's backend optimisation off: the suite compiles hundreds of tiny programs whose run
 # time is negligible, so compile time is most of it (20 % less wall time measured on
-# tests/test_engine.py); XLA's own HLO passes are unchanged, so are the programs' values.
+# tests/serve/test_engine.py); XLA's own HLO passes are unchanged, so are the programs' values.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
@@ -22,8 +22,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="dspark_jax_xla_"))
 # Two xdist workers may each load libtpu at once to compile for a TPU topology
-# (test_aot_tpu.py, test_train_roofline.py); libtpu's lock file refuses the second. The
-# tests never run on TPU chips (JAX_PLATFORMS=cpu), so two loads share nothing.
+# (tests/aot/test_aot_tpu.py, tests/perf/test_train_roofline.py); libtpu's lock file
+# refuses the second. The tests never run on TPU chips (JAX_PLATFORMS=cpu), so two loads
+# share nothing.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")

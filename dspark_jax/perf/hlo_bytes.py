@@ -27,9 +27,9 @@ that dominate a decode round:
   one more time; a loop of unknown count is counted once, as XLA's own figure counts
   every loop (``loop_trips`` lists both kinds).
 
-It is an estimate of XLA's own figure: equal on CPU (``tests/test_roofline.py``), within
+It is an estimate of XLA's own figure: equal on CPU (``tests/perf/test_roofline.py``), within
 40 % at tiny TPU shapes where tile padding and small collectives dominate
-(``tests/test_aot_tpu.py``). It is meant for ranking: which scope moves how many bytes, and
+(``tests/aot/test_aot_tpu.py``). It is meant for ranking: which scope moves how many bytes, and
 how that changes with the round's size. Kernels (custom calls) count nothing, as in XLA's
 figure: callers model them separately (``roofline.kernel_attention_cost``).
 

@@ -48,7 +48,7 @@ SPLASH_BLOCK = 512
 # XLA's count of the elementwise work of the DSpark loss per label logit (softmaxes of the
 # drafter's and the target's logits, the L1 and CE terms, their backward), and of the
 # optimizer per trainable parameter (AdamW moments, bias correction, update, gradient
-# clipping's norm). Measured once on XLA:CPU (tests/test_train_roofline.py); both are
+# clipping's norm). Measured once on XLA:CPU (tests/perf/test_train_roofline.py); both are
 # small next to the matmuls at real sizes (< 1 % of the 8B step).
 LOSS_FLOPS_PER_LOGIT = 40
 OPT_FLOPS_PER_PARAM = 20

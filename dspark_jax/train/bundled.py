@@ -3,15 +3,15 @@ gets the same target, data, batch, optimiser, schedule and training *compute* by
 construction (its step count is the shared FLOPs budget over its own FLOPs per step), and
 the bundled target shares the schedule.
 
-Each ``configs/drafter_<name>.py`` (dspark, dspark_rnn, dflash, eagle3, mtp1) is trained
+Each ``configs/bundled/drafter_<name>.py`` (dspark, dspark_rnn, dflash, eagle3, mtp1) is trained
 and exported by ``scripts/build_bundled_models.sh``:
 
-    python train.py --config configs/drafter_<name>.py --workdir workdirs/drafter_<name>
+    python train.py --config configs/bundled/drafter_<name>.py --workdir workdirs/drafter_<name>
     python -m dspark_jax.export --workdir workdirs/drafter_<name> --out assets/drafters/<name>
 
 against the "pycode-small" target in ``assets/target`` (d = 256, 6 layers, vocab 8192,
 tied embeddings) on its self-distillation data in ``data/distill``. ``--config
-configs/drafter_<name>.py:steps`` gives the equal-steps comparison run instead (every arm
+configs/bundled/drafter_<name>.py:steps`` gives the equal-steps comparison run instead (every arm
 ``BUNDLED_STEPS`` steps, whatever its FLOPs).
 """
 
@@ -36,7 +36,7 @@ BUNDLED_SCHEDULE = dict(
 # XLA's FLOPs for one training step of each bundled arm, in GFLOP: the compiled CPU step
 # of ``train.py`` (frozen-target forward, drafter forward/backward and optimiser; every
 # model loop unrolled), from ``python benchmarks/train_budget.py``
-# (benchmarks/results/train_budget.json); tests/test_train_cost.py recomputes them.
+# (benchmarks/results/train_budget.json); tests/perf/test_train_cost.py recomputes them.
 BUNDLED_STEP_GFLOPS = {
     "dspark": 108.53,
     "dspark_rnn": 115.31,

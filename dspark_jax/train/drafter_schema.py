@@ -1,7 +1,7 @@
 """The drafter run's config schema (DESIGN §4): every key of a ``task = "drafter"`` run with
 its default, the allowed values and validators (registered with ``dspark_jax.config`` on
 import, so ``--config.drafter.*`` overrides are checked at load), and the per-kind loss
-weights. ``configs/drafter_*.py`` start from ``drafter_default_config``.
+weights. ``configs/*/drafter_*.py`` start from ``drafter_default_config``.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ VALIDATORS["data.max_train_records"] = _record_cap_check
 
 
 def drafter_default_config(kind: str = "dspark") -> ConfigDict:
-    """Every key of a drafter run with DESIGN §4 defaults; ``configs/drafter_*.py`` fill it."""
+    """Every key of a drafter run with DESIGN §4 defaults; ``configs/*/drafter_*.py`` fill it."""
     cfg = default_config()
     del cfg["model"]  # the trained model is the drafter; the target comes from target.dir
     cfg.task = "drafter"
