@@ -3,11 +3,18 @@ largest probability of its untempered draft distribution per position, the decod
 into calibrated survivals for the budgeted schedulers, and it stays lossless because it is
 fixed before the token it scores is drawn (the drafted token's own probability is not)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_decode_step import (
+
+from dspark_jax.decode.plan_step import survival_logits
+from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
+from dspark_jax.models.draft_api import DraftOutput
+from dspark_jax.models.drafter_io import STS
+from dspark_jax.ops.sampling import SamplingSettings, max_logprob
+from tests.decode.test_decode_step import (
     SAMPLING,
     WAVES,
     V,
@@ -17,13 +24,7 @@ from test_decode_step import (
     _shifted,
     exact_dists,  # noqa: F401 (module fixture)
 )
-from test_decode_step import target as target  # noqa: F401 (module fixture)
-
-from dspark_jax.decode.plan_step import survival_logits
-from dspark_jax.decode.step import SpeculativeDecoder, StepConfig
-from dspark_jax.models.draft_api import DraftOutput
-from dspark_jax.models.drafter_io import STS
-from dspark_jax.ops.sampling import SamplingSettings, max_logprob
+from tests.decode.test_decode_step import target as target  # noqa: F401 (module fixture)
 
 R_EXACT = 256
 
@@ -55,11 +56,12 @@ def test_every_drafter_reports_its_top_draft_probability(target, kind):  # noqa:
     state = _prefilled(dec, temperature=1.0)
     _, _, conf, out = dec._draft(dec._params, state, _keys(dec))
     g = dec.gamma
-    assert out.max_logprobs.shape == (3, g) and out.max_logprobs.dtype == jnp.float32
-    top = np.exp(np.asarray(out.max_logprobs))
-    np.testing.assert_allclose(top, np.asarray(out.probs).max(-1), rtol=2e-5)
+    chex.assert_shape([out.max_logprobs, conf], (3, g))
+    chex.assert_type(out.max_logprobs, jnp.float32)
+    top = jnp.exp(out.max_logprobs)
+    chex.assert_trees_all_close(top, out.probs.max(-1), rtol=2e-5)
     if kind != "dspark":  # uncalibrated draft probability: c_k = max q_k
-        np.testing.assert_allclose(np.asarray(conf), top, rtol=2e-5)
+        chex.assert_trees_all_close(conf, top, rtol=2e-5)
 
 
 def test_calibration_maps_the_draft_probability(target):  # noqa: F811
@@ -106,10 +108,9 @@ def test_topk_with_a_headless_drafter_is_autoregressive_when_greedy(target, kind
     """Top-K and Algorithm 1 run with drafters that have no confidence head (they were
     refused before): greedy output equals autoregressive decoding, the admitted lengths
     vary with the draft probabilities, and the rounds compile once per bucket."""
-    from test_decode_step import PROMPTS
-
     from dspark_jax.decode.autoregressive import generate as ar_generate
     from dspark_jax.engine.offline import Request, Runner
+    from tests.decode.test_decode_step import PROMPTS
 
     model, params = target
     drafter, dparams = _drafter(kind)
