@@ -104,14 +104,19 @@ def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
     config_path = os.path.join(os.fspath(path), CONFIG_NAME)
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"Drafter directory {path} has no {CONFIG_NAME}")
+    return DrafterConfig.from_dict(_read_meta(config_path, ("drafter",))["drafter"])
+
+
+def _read_meta(config_path: str, keys: tuple[str, ...]) -> dict:
+    """``drafter_config.json`` as a dict holding ``keys``, or an error naming the file."""
     try:
         with open(config_path) as f:
             meta = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_path} is not valid JSON: {e}") from e
-    if not isinstance(meta, dict) or "drafter" not in meta:
-        raise ValueError(f"{config_path} must hold a 'drafter' entry")
-    return DrafterConfig.from_dict(meta["drafter"])
+    if not isinstance(meta, dict) or any(k not in meta for k in keys):
+        raise ValueError(f"{config_path} must hold {' and '.join(repr(k) for k in keys)} entries")
+    return meta
 
 
 def drafter_dir_error(
@@ -236,13 +241,7 @@ def load_drafter(
     for p in (config_path, weights_path):
         if not os.path.isfile(p):
             raise FileNotFoundError(f"Drafter directory {path} has no {os.path.basename(p)}")
-    try:
-        with open(config_path) as f:
-            meta = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path} is not valid JSON: {e}") from e
-    if not isinstance(meta, dict) or "drafter" not in meta or "target" not in meta:
-        raise ValueError(f"{config_path} must hold 'drafter' and 'target' entries")
+    meta = _read_meta(config_path, ("drafter", "target"))
     if meta.get("format") not in _READS_FORMATS:
         raise ValueError(
             f"{config_path} has format {meta.get('format')!r}; this version reads formats "
