@@ -115,7 +115,9 @@ def _read_meta(config_path: str, keys: tuple[str, ...]) -> dict:
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_path} is not valid JSON: {e}") from e
     if not isinstance(meta, dict) or any(k not in meta for k in keys):
-        raise ValueError(f"{config_path} must hold {' and '.join(repr(k) for k in keys)} entries")
+        what = f"a {keys[0]!r} entry" if len(keys) == 1 else " and ".join(map(repr, keys))
+        plural = "" if len(keys) == 1 else " entries"
+        raise ValueError(f"{config_path} must hold {what}{plural}")
     return meta
 
 
