@@ -242,6 +242,11 @@ def test_headings_are_distinct_and_the_index_lists_every_page(summarize):
         assert f"]({page.name})" in pages["README.md"]
 
 
+# A fenced block: fences open and close at the start of a line (a ```` ```python ```` span
+# inside a sentence is not one).
+FENCED = r"^```.*?^```"
+
+
 def _slug(heading: str) -> str:
     """GitHub's anchor for a Markdown heading."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
@@ -258,7 +263,7 @@ def test_readme_stays_short_and_every_docs_link_resolves():
     pages = [root / "README.md", root / "DESIGN.md", root / "BENCHMARKS.md"]
     pages += sorted((root / "docs").rglob("*.md"))
     for page in pages:
-        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        text = re.sub(FENCED, "", page.read_text(), flags=re.S | re.M)
         for link in re.findall(r"\]\(([^)\s]+)\)", text):
             if link.startswith(("http://", "https://")):
                 continue
@@ -266,6 +271,6 @@ def test_readme_stays_short_and_every_docs_link_resolves():
             target = (page.parent / path).resolve() if path else page
             assert target.exists(), f"{page.relative_to(root)}: no {link}"
             if anchor and target.suffix == ".md":
-                heads = re.sub(r"```.*?```", "", target.read_text(), flags=re.S)
+                heads = re.sub(FENCED, "", target.read_text(), flags=re.S | re.M)
                 slugs = {_slug(h) for h in re.findall(r"^#+ (.*)$", heads, flags=re.M)}
                 assert anchor in slugs, f"{page.relative_to(root)}: no heading for {link}"
