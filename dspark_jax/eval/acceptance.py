@@ -142,11 +142,11 @@ def collect_rounds(
     temperature: float,
     max_new_tokens: int,
     seed: int = 0,
-    has_confidence: bool = True,
     verification: str = "standard",
     progress: str | None = None,
 ) -> RoundRecords:
-    """Decode every prompt with the fixed-block decoder; flatten the per-round records.
+    """Decode every prompt with the fixed-block decoder; flatten the per-round records,
+    with the raw survival logits of the decoder's estimate (every drafter has one).
 
     ``verification``: ``standard`` (rejection sampling) or ``coupled`` (position-keyed
     Gumbel-max, ``decode.verify.verify_coupled``); the same at temperature 0.
@@ -163,7 +163,7 @@ def collect_rounds(
         Request(list(p), max_new_tokens, float(temperature), prompt_index=i, coupled=coupled)
         for i, p in enumerate(prompt_ids)
     ]
-    runner = Runner(decoder, record_details=has_confidence, seed=seed)
+    runner = Runner(decoder, record_details=True, seed=seed)
     from tqdm.auto import tqdm
 
     with tqdm(
@@ -176,12 +176,8 @@ def collect_rounds(
         pidx += [s.prompt_index] * s.rounds
         acc += s.accepted_per_round
         ver += s.verified_per_round
-        if has_confidence:
-            surv += [row[:gamma] for row in s.survival_per_round]
-    logits = None
-    if has_confidence:
-        a = np.asarray(surv, np.float64).reshape(len(acc), gamma)
-        logits = cal.logits_from_survival(a)
+        surv += [row[:gamma] for row in s.survival_per_round]
+    logits = cal.logits_from_survival(np.asarray(surv, np.float64).reshape(len(acc), gamma))
     return RoundRecords(
         np.asarray(pidx, np.int64),
         np.asarray(acc, np.int64),
