@@ -103,6 +103,21 @@ def _summary(payload: dict) -> dict:
     }
 
 
+def _first_position_deciles(fit_path: str) -> list[float]:
+    """Held-out acceptance of the first draft by decile of its raw estimate ``z_1``
+    (from the label arrays beside the fit): whether survival rises with the estimate,
+    which an increasing calibration map needs."""
+    import numpy as np
+
+    from dspark_jax.models.drafter_io import sts_data_path
+
+    d = np.load(sts_data_path(fit_path))
+    z, accepted = d["heldout_logits"][:, 0], d["heldout_accepted"]
+    edges = np.quantile(z, np.linspace(0, 1, 11))
+    decile = np.clip(np.searchsorted(edges, z, side="right") - 1, 0, 9)
+    return [round(float(np.mean(accepted[decile == i] >= 1)), 3) for i in range(10)]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--target", default=os.path.join(ROOT, "assets", "target"))
@@ -195,6 +210,7 @@ def main(argv=None) -> int:
         with open(out) as f:
             fit = _summary(json.load(f))
         fit.update(drafter=name, seconds=None if args.reuse else round(time.time() - start, 1))
+        fit["first_draft_acceptance_by_decile"] = _first_position_deciles(out)
         result["fits"].append(fit)
         print(
             f"{name:>10s} draft probability: held-out ECE {fit['mean_ece_before']:.4f} -> "
@@ -204,6 +220,7 @@ def main(argv=None) -> int:
         )
     fit = _summary(head_fit)
     fit.update(drafter="dspark", seconds=None)
+    fit["first_draft_acceptance_by_decile"] = _first_position_deciles(head_path)
     result["fits"].append(fit)
 
     # DSpark's two estimates on identical rounds: the labels saved beside each fit agree.
