@@ -53,7 +53,29 @@ def load_prompts(n: int) -> list[str]:
                 m = re.search(r"```(?:python)?\n(.*?)```", turn, re.S)
                 out.append(m.group(1) if m else turn)
     if not out:
-        raise SystemExit(f"no prompts found under {DATASETS}")
+        raise SystemExit(
+            f"no prompts found under {DATASETS} (humaneval/mbpp/gsm8k/mt-bench .jsonl, "
+            "`turns[0]` the prompt; --quick runs without them)"
+        )
+    return out
+
+
+def stdlib_prompts(n: int) -> list[str]:
+    """``n`` code prompts cut from the running Python's standard library (each ``def``
+    line and the two lines after it): --quick's prompts and tokenizer text where the eval
+    sets are not beside the checkout (the tiny random models make any text as good)."""
+    root = os.path.dirname(os.__file__)
+    out = []
+    for name in sorted(os.listdir(root)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(root, name), encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("def ") and len(out) < n:
+                out.append("\n".join(lines[i : i + 3]) + "\n")
+        if len(out) >= n:
+            break
     return out
 
 
@@ -129,7 +151,7 @@ def build_arms(args):
     if args.quick:
         from dspark_jax.data.tokenizer_train import train_bpe_tokenizer
 
-        texts = load_prompts(50)
+        texts = load_prompts(50) if os.path.isdir(DATASETS) else stdlib_prompts(200)
         tok = train_bpe_tokenizer(texts, vocab_size=320, out_path="/tmp/dspark_bench_tok")
 
         def models(kind):
@@ -282,7 +304,7 @@ def main(argv=None) -> int:
     from dspark_jax.serve.engine import Engine, EngineConfig
     from dspark_jax.serve.server import BackgroundServer, create_app
 
-    prompts = load_prompts(40)
+    prompts = load_prompts(40) if not q or os.path.isdir(DATASETS) else stdlib_prompts(160)
     if args.temperature < 0:
         raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
     results = {

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -41,13 +42,10 @@ def checkout(tmp_path_factory):
         ignore=shutil.ignore_patterns("results", "__pycache__"),
     )
     (root / "benchmarks" / "results").mkdir()
-    bin_dir = root.parent / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    for name in ("python", "python3"):
-        if not (bin_dir / name).exists():
-            (bin_dir / name).symlink_to(sys.executable)
     env = one_device_subprocess_env(root.parent / "jax_cache")
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    # `python` is this interpreter's: its own bin directory first (a link to it elsewhere
+    # would lose the virtual environment).
+    env["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{env['PATH']}"
     env["XDG_CACHE_HOME"] = str(root.parent / "cache")
     env["PYTHONPATH"] = str(root)  # `benchmarks`' imports of their siblings
     return root, env
@@ -105,13 +103,27 @@ def test_serve_guide_and_readme_requests_as_written(checkout):
     root, env = checkout
     serve = command("docs/guides/serve.md", "python serve.py")
     assert command("README.md", "python serve.py") == serve
-    server = subprocess.Popen(
-        ["bash", "-c", f"exec {serve}"], cwd=root, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    log_path = root.parent / "serve.log"  # a file: a pipe nobody reads would fill and stall
+    with open(log_path, "w") as log_file:
+        server = subprocess.Popen(
+            ["bash", "-c", f"exec {serve}"], cwd=root, env=env,
+            stdout=log_file, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     try:
-        bash(block_with("docs/guides/serve.md", "until curl"), checkout, timeout=900)
-        replies = bash(block_with("docs/guides/serve.md", "curl -s"), checkout, timeout=300)
+        # The guide's wait for /health, as written, watched: a server that exits fails the
+        # test with its log instead of leaving the loop waiting.
+        wait = subprocess.Popen(
+            ["bash", "-c", block_with("docs/guides/serve.md", "until curl")], cwd=root, env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 900
+        while wait.poll() is None and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(1)
+        if wait.poll() is None:
+            wait.kill()
+            pytest.fail(f"serve.py did not answer /health (exit {server.poll()}):\n"
+                        + log_path.read_text()[-3000:])  # fmt: skip
+        replies = bash(block_with("docs/guides/serve.md", "curl -s "), checkout, timeout=300)
         assert replies.count('"choices"') == 2 and "data: [DONE]" in replies, replies
         readme = block_with("README.md", "curl -s").replace("python serve.py", "", 1)
         assert '"choices"' in bash(readme, checkout, timeout=300)
@@ -119,8 +131,8 @@ def test_serve_guide_and_readme_requests_as_written(checkout):
         bash(f"python - <<'PYTHON'\n{client}PYTHON", checkout, timeout=300)
     finally:
         server.send_signal(signal.SIGTERM)
-        log, _ = server.communicate(timeout=120)
-    assert server.returncode == 0, log[-3000:]
+        server.wait(timeout=120)
+    assert server.returncode == 0, log_path.read_text()[-3000:]
 
 
 def test_serve_guide_offline_jobs_as_written(checkout):
