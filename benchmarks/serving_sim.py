@@ -101,6 +101,7 @@ def load_traces(drafter: str, temperature: float = 1.0, results_dir: str = RESUL
                 z,
                 None if sts is None or z is None else sts.temperatures,
                 None if sts is None or z is None else sts.biases,
+                None if sts is None or z is None else sts.knots,
             )
     missing = [s for s in SERVING_SETS if s not in by_set]
     if missing:

@@ -18,6 +18,15 @@ rounds: the script checks that the held-out acceptance labels of both files are 
         --fits-dir benchmarks/results/survival_fits_t0 \
         --out benchmarks/results/survival_estimators_t0.json     # greedy, not shipped
 
+Each fit also records the three STS modes (temperature, affine, isotonic) refitted on its
+own stored rounds (``<stem>_data.npz``: same fit split, same held-out split, no decoding),
+so the calibration map is compared on identical data. ``--refit-mode MODE`` rewrites the
+selected drafters' draft-probability files with that mode's fit from their stored rounds
+(refused where it makes a held-out position worse than uncalibrated):
+
+    python benchmarks/survival_estimators.py --drafters mtp1 --refit-mode isotonic
+    python benchmarks/survival_estimators.py --reuse
+
 Writes ``benchmarks/results/survival_estimators.json``.
 """
 
@@ -100,7 +109,79 @@ def _summary(payload: dict) -> dict:
         "max_ece_after": worst("ece_after"),
         "mean_auroc": mean("auroc_after"),
         "worse_heldout_positions": payload["data"].get("worse_heldout_positions", []),
+        # --refit-mode: the mode of the decoded fit whose stored rounds this one refitted
+        "refit_from_mode": payload["data"].get("refit_from_stored_rounds_of_mode"),
     }
+
+
+def _stored_rounds(fit_path: str):
+    import numpy as np
+
+    from dspark_jax.models.drafter_io import sts_data_path
+
+    d = np.load(sts_data_path(fit_path))
+    return ((d["fit_logits"], d["fit_accepted"], d["fit_verified"]),
+            (d["heldout_logits"], d["heldout_accepted"], d["heldout_verified"]))  # fmt: skip
+
+
+def _modes_on_stored_rounds(fit_path: str, bins: int) -> dict:
+    """Every STS mode refitted on the fit's own stored fit split and scored on its held-out
+    split: mean / worst held-out ECE after, and mean AUROC after (ties within isotonic
+    steps can lower it)."""
+    import numpy as np
+
+    from dspark_jax.eval import calibration as cal
+
+    (zf, af, vf), (zh, ah, vh) = _stored_rounds(fit_path)
+    out = {}
+    for mode in cal.STS_MODES:
+        sts = cal.fit_sts(zf, af, vf, n_bins=bins, mode=mode).sts
+        rows = cal.before_after_report(zh, ah, vh, sts, bins)
+        ece = [r["ece_after"] for r in rows if r["ece_after"] is not None]
+        auroc = [r["auroc_after"] for r in rows if r["auroc_after"] is not None]
+        out[mode] = {
+            "mean_ece_after": float(np.mean(ece)),
+            "max_ece_after": float(np.max(ece)),
+            "mean_auroc": float(np.mean(auroc)) if auroc else None,
+        }
+    return out
+
+
+def _refit_from_stored_rounds(fit_path: str, mode: str) -> None:
+    """Rewrite an STS file with ``mode``'s fit on the rounds stored beside it (no decoding),
+    keeping its data description; refused where a held-out position gets worse."""
+    import numpy as np
+
+    from dspark_jax.eval import calibration as cal
+    from dspark_jax.eval.__main__ import worse_positions
+    from dspark_jax.models.drafter_io import sts_data_path
+
+    with open(fit_path) as f:
+        old = json.load(f)
+    bins, gamma = old["data"]["bins"], old["gamma"]
+    (zf, af, vf), (zh, ah, vh) = _stored_rounds(fit_path)
+    res = cal.fit_sts(zf, af, vf, n_bins=bins, mode=mode).padded(gamma)
+    sts = res.sts.first(zf.shape[1])
+    held = cal.before_after_report(zh, ah, vh, sts, bins)
+    worse = worse_positions(held)
+    if worse:
+        raise SystemExit(
+            f"error: {mode} makes {fit_path} worse at held-out position(s) "
+            f"{[r['position'] for r in worse]}; not written"
+        )
+    data = dict(old["data"], mode=mode, refit_from_stored_rounds_of_mode=old["mode"])
+    arrays = dict(np.load(sts_data_path(fit_path)))
+    cal.save_sts(
+        fit_path,
+        res,
+        heldout=held,
+        fit_report=cal.before_after_report(zf, af, vf, sts, bins),
+        data=data,
+        arrays=arrays,
+        overwrite=True,
+        estimator=old.get("estimator", "confidence_head"),
+    )
+    print(f"rewrote {fit_path} with the {mode} fit of its stored rounds")
 
 
 def _first_position_deciles(fit_path: str) -> list[float]:
@@ -143,8 +224,17 @@ def main(argv=None) -> int:
     )
     p.add_argument("--temperature", type=float, default=None, help="override the head's")
     p.add_argument("--limit", type=int, default=None, help="override the head's (per file)")
+    p.add_argument(
+        "--refit-mode",
+        choices=("temperature", "affine", "isotonic"),
+        default=None,
+        help="rewrite the drafters' draft-probability fits with this STS mode, fitted on the "
+        "rounds stored beside each (no decoding); implies --reuse",
+    )
     p.add_argument("--out", default=os.path.join(HERE, "results", "survival_estimators.json"))
     args = p.parse_args(argv)
+    if args.refit_mode:
+        args.reuse = True
 
     import numpy as np
 
@@ -207,10 +297,13 @@ def main(argv=None) -> int:
         start = time.time()
         if calibrate(name, d, out, "draft-probability"):
             return 1
+        if args.refit_mode:
+            _refit_from_stored_rounds(out, args.refit_mode)
         with open(out) as f:
             fit = _summary(json.load(f))
         fit.update(drafter=name, seconds=None if args.reuse else round(time.time() - start, 1))
         fit["first_draft_acceptance_by_decile"] = _first_position_deciles(out)
+        fit["modes_on_stored_rounds"] = _modes_on_stored_rounds(out, head["data"]["bins"])
         result["fits"].append(fit)
         print(
             f"{name:>10s} draft probability: held-out ECE {fit['mean_ece_before']:.4f} -> "
@@ -221,6 +314,7 @@ def main(argv=None) -> int:
     fit = _summary(head_fit)
     fit.update(drafter="dspark", seconds=None)
     fit["first_draft_acceptance_by_decile"] = _first_position_deciles(head_path)
+    fit["modes_on_stored_rounds"] = _modes_on_stored_rounds(head_path, head["data"]["bins"])
     result["fits"].append(fit)
 
     # DSpark's two estimates on identical rounds: the labels saved beside each fit agree.

@@ -166,9 +166,9 @@ def _survival_table(res: dict) -> list[str]:
         "",
         f"    {res['command']}",
         "",
-        "| drafter | estimate | held-out rounds | ECE before STS | ECE after STS (worst k) "
-        "| AUROC | positions STS made worse |",
-        "|---|---|---|---|---|---|---|",
+        "| drafter | estimate | STS mode | held-out rounds | ECE before STS "
+        "| ECE after STS (worst k) | AUROC | positions STS made worse |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     names = {"confidence_head": "confidence head", "draft_probability": "draft probability"}
 
@@ -179,11 +179,44 @@ def _survival_table(res: dict) -> list[str]:
         worse = ", ".join(map(str, f["worse_heldout_positions"])) or "none"
         auroc = "–" if f["mean_auroc"] is None else f"{f['mean_auroc']:.3f}"
         out.append(
-            f"| {f['drafter']} | {names[f['estimator']]} | {f['heldout_rounds']} | "
-            f"{pct(f['mean_ece_before'])} | {pct(f['mean_ece_after'])} "
+            f"| {f['drafter']} | {names[f['estimator']]} | {f.get('mode', st['mode'])} | "
+            f"{f['heldout_rounds']} | {pct(f['mean_ece_before'])} | {pct(f['mean_ece_after'])} "
             f"({pct(f['max_ece_after'])}) | {auroc} | {worse} |"
         )
     out.append("")
+    refits = [f for f in res["fits"] if f.get("refit_from_mode")]
+    if refits:
+        out += [
+            "Refitted without decoding (`python benchmarks/survival_estimators.py --drafters "
+            "NAME --refit-mode MODE`: the same stored rounds, another map): "
+            + ", ".join(
+                f"{f['drafter']} ({f['mode']}, from its {f['refit_from_mode']} fit's rounds)"
+                for f in refits
+            )
+            + ".",
+            "",
+        ]
+    modes = [f for f in res["fits"] if "modes_on_stored_rounds" in f]
+    if modes:
+        names_m = list(modes[0]["modes_on_stored_rounds"])
+        out += [
+            "Each STS mode refitted on the same stored rounds of each fit (its fit split; "
+            "scored on its held-out split; no decoding): held-out ECE after, mean (worst "
+            "position), and AUROC. Isotonic steps tie the rounds within a step.",
+            "",
+            "| drafter | estimate | " + " | ".join(names_m) + " |",
+            "|---|---|" + "---|" * len(names_m),
+        ]
+        for f in modes:
+            cells = []
+            for m in names_m:
+                r = f["modes_on_stored_rounds"][m]
+                auroc = "–" if r["mean_auroc"] is None else f"{r['mean_auroc']:.3f}"
+                cells.append(
+                    f"{pct(r['mean_ece_after'])} ({pct(r['max_ece_after'])}), AUROC {auroc}"
+                )
+            out.append(f"| {f['drafter']} | {names[f['estimator']]} | " + " | ".join(cells) + " |")
+        out.append("")
     if "dspark_same_rounds" in res:
         same = "identical" if res["dspark_same_rounds"] else "NOT identical"
         out += [

@@ -100,8 +100,25 @@ def draft(dec, params, state, key):
         method="draft",
     )
     z = survival_logits(out, dec.survival_estimator)
-    conf = jax.nn.sigmoid(z / dec.sts_temperatures + dec.sts_biases)
+    conf = jax.nn.sigmoid(calibrated_logits(z, dec.sts_temperatures, dec.sts_biases, dec.sts_knots))
     return out.tokens.astype(jnp.int32), out.probs, conf, out
+
+
+def calibrated_logits(z, temperatures, biases, knots=None) -> Array:
+    """``z / T + b`` per position ``[R, G]``; at positions with an isotonic step map
+    (``knots`` ``[G, 2, J]``, host constants; NaN rows: none) the step's logit instead, as
+    ``eval.calibration.step_logits`` computes it offline."""
+    x = z / temperatures + biases
+    if knots is None:
+        return x
+    knots = np.asarray(knots, np.float32)
+    has = ~np.isnan(knots[:, 0, 0])
+    edges = np.where(has[:, None], knots[:, 0], 0.0)
+    values = np.where(has[:, None], knots[:, 1], 0.0)
+    find = jax.vmap(lambda e, col: jnp.searchsorted(e, col, side="right"), (0, 1), 1)
+    j = jnp.clip(find(edges, x) - 1, 0, knots.shape[-1] - 1)  # [R, G]: the step each z is on
+    stepped = jnp.asarray(values)[jnp.arange(knots.shape[0])[None, :], j]
+    return jnp.where(has, stepped, x)
 
 
 # float32 σ saturates at 1 - 2^-24: a draft probability of 1 maps to the logit σ⁻¹ of that

@@ -115,7 +115,8 @@ class SpeculativeDecoder:
     is the estimate ``survival_estimator`` names (``models.drafter_io.SURVIVAL_ESTIMATORS``):
     the confidence head's logit, or ``logit(max_v q_k(v))`` of the draft distribution
     (None: the head where the drafter has one, else the draft probability). ``sts``: an
-    ``STS`` (``LoadedDrafter.calibration``) in place of the three.
+    ``STS`` (``LoadedDrafter.calibration``) in place of the three; only it carries an
+    isotonic fit's step maps.
     """
 
     def __init__(
@@ -132,10 +133,12 @@ class SpeculativeDecoder:
         survival_estimator: str | None = None,
         sts=None,
     ):
+        sts_knots = None
         if sts is not None:
             if sts_temperatures is not None or sts_biases is not None:
                 raise ValueError("pass sts= or sts_temperatures=/sts_biases=, not both")
             sts_temperatures, sts_biases = sts.temperatures, sts.biases
+            sts_knots = sts.knots
             if survival_estimator is not None and survival_estimator != sts.estimator:
                 raise ValueError(
                     f"survival_estimator {survival_estimator!r} but the STS calibrates "
@@ -254,6 +257,10 @@ class SpeculativeDecoder:
         self.sts_biases = np.asarray(biases, np.float32)
         if self.sts_biases.shape != (g,):
             raise ValueError(f"STS biases must have shape [{g}], got {biases!r}")
+        # Isotonic step maps ([G, 2, J], NaN rows: none at that position) or None.
+        self.sts_knots = None if sts_knots is None else np.asarray(sts_knots, np.float32)
+        if self.sts_knots is not None and self.sts_knots.shape[:2] != (g, 2):
+            raise ValueError(f"STS knots must have shape [{g}, 2, J], got {self.sts_knots.shape}")
         # Parameters (and the SPS table) are passed as arguments, not closed over, so they
         # are not baked into the executables as constants and a re-profiled table needs no
         # recompilation; the state is donated so caches update in place.

@@ -142,10 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--mode",
-        choices=("temperature", "affine"),
+        choices=("temperature", "affine", "isotonic"),
         default="temperature",
         help="temperature: c = σ(z/T) per position (DESIGN §5.3); affine: σ(z/T + b), for "
-        "heads whose confidences are too weakly ranked for a temperature alone",
+        "heads whose confidences are too weakly ranked for a temperature alone; isotonic: a "
+        "non-decreasing step map of z per position, for estimates no σ(z/T + b) follows "
+        "(ties rounds within a step; needs more rounds)",
     )
 
     p = sub.add_parser("plot", help="PNG diagrams from an acceptance results.json")
@@ -295,24 +297,7 @@ def cmd_calibrate(args) -> int:
     def report(r):
         if r is None or r.accepted.size == 0:
             return None
-        before = cal.calibration_report(r.logits, r.accepted, r.verified, None, args.bins)
-        after = cal.calibration_report(
-            r.logits, r.accepted, r.verified, sts.temperatures, args.bins, sts.biases
-        )
-        return [
-            {
-                "position": b["position"],
-                "n": b["n"],
-                "ece_before": b["ece"],
-                "ece_after": a["ece"],
-                "ece_floor_after": a["ece_floor"],
-                "auroc_before": b["auroc"],
-                "auroc_after": a["auroc"],
-                "brier_before": b["brier"],
-                "brier_after": a["brier"],
-            }
-            for b, a in zip(before, after)
-        ]
+        return cal.before_after_report(r.logits, r.accepted, r.verified, sts, args.bins)
 
     fit_report, held_report = report(fit), report(held)
     data = {
@@ -359,13 +344,17 @@ def cmd_calibrate(args) -> int:
         f"reported on {len(held_prompts)} held-out prompts"
     )
     print(
-        " k      T       b   ECE fit before/after   ECE held-out before/after   AUROC held-out"
-        "   ECE floor held-out"
+        (" k  steps  " if res.knots else " k      T       b   ")
+        + "ECE fit before/after   ECE held-out before/after   AUROC held-out   ECE floor held-out"
     )
     for k in range(g):
         h = held_report[k] if held_report else None
+        if res.knots:  # isotonic: the number of steps of the position's map
+            fitted_map = f"{len(res.knots[k]['edges']) if res.knots[k] else 0:5d}  "
+        else:
+            fitted_map = f"{res.temperatures[k]:6.3f} {res.biases[k]:+7.3f}"
         print(
-            f"{k + 1:2d} {res.temperatures[k]:6.3f} {res.biases[k]:+7.3f}   "
+            f"{k + 1:2d} {fitted_map}   "
             f"{pct(res.ece_before[k])} / "
             f"{pct(res.ece_after[k])}        {pct(h and h['ece_before'])} / "
             f"{pct(h and h['ece_after'])}          "

@@ -204,7 +204,7 @@ def calibration_summary(
     """Per-position ECE/AUROC/Brier, pooled ECE and reliability bins for one calibration
     (``sts`` None: raw confidences)."""
     temps, biases = (None, None) if sts is None else (sts.temperatures, sts.biases)
-    a = cal.survival_from_logits(logits, temps, biases)
+    a = cal.survival_from_sts(logits, sts)
     conf, labels = metrics.pooled_scores(a, accepted, verified)
     return {
         "temperatures": None if temps is None else np.asarray(temps).tolist(),
@@ -390,6 +390,8 @@ def run_metadata(target: LoadedTarget, drafters: Sequence[LoadedDrafter], args: 
                 "survival_estimator": d.survival_estimator,
                 "sts_temperatures": None if d.sts is None else d.sts.temperatures.tolist(),
                 "sts_biases": None if d.sts is None else d.sts.biases.tolist(),
+                # isotonic fits: [γ, 2, J] step maps (edges, logits; null rows: none)
+                "sts_knots": None if d.sts is None or d.sts.knots is None else d.sts.knots.tolist(),
             }
             for d in drafters
         ],

@@ -19,6 +19,17 @@ head discriminates weakly (AUROC ≈ 0.55–0.6) the ECE-optimal map is close to
 which ``σ(z / T)`` can only approach at ½; one shift per position expresses it. The map
 stays strictly increasing, so the ranking (AUROC) is unchanged in both modes.
 
+``mode="isotonic"`` (an extension too) fits a non-decreasing step function per position,
+left to right: pool-adjacent-violators on the rounds k was verified in, minimising the
+squared error of ``a_{k−1} · c_k`` against the label (weights ``a_{k−1}²``, targets
+``y / a_{k−1}``), so each step's prefix survival equals the observed survival of its rounds
+on the fit split. It is for estimates whose miscalibration no ``σ(z / T + b)`` follows:
+MTP-1's draft probability, the bundled drafter the affine fit calibrates worst
+(``benchmarks/survival_estimators.py`` compares the modes on held-out rounds). Its price: rounds within a
+step tie, so AUROC can drop a little, and it needs more rounds than two numbers do. The
+map is stored as knots (left edges in ``z`` units and the step's logit) and applied as
+``σ(step_k(z))`` by the decoder (``decode.plan_step``).
+
 The fit needs raw logits of a fixed-block run (every draft verified, so labels are not
 censored). The runner records the survival ``a`` with STS off; ``c_k = a_k / a_{k−1}`` and
 ``z_k = logit(c_k)`` recover the logits (exact up to float32 rounding; a logit large enough
@@ -49,9 +60,11 @@ import numpy as np
 
 from dspark_jax.eval import metrics
 from dspark_jax.models.drafter_io import (  # the drafter directory's sts.json (re-exported)
+    MAX_KNOTS,
     STS,
     STS_FILENAME,
     check_biases,
+    check_knots,
     check_new_file,
     check_temperatures,
     load_sts,
@@ -69,7 +82,10 @@ FINE_POINTS = 41
 BIAS_GRID = np.linspace(-4.0, 4.0, 81)
 AFFINE_TEMPERATURE_GRID = np.geomspace(0.05, 20.0, 61)
 AFFINE_FINE_POINTS = 21
-STS_MODES = ("temperature", "affine")
+STS_MODES = ("temperature", "affine", "isotonic")
+# Isotonic mode: calibrated conditional survivals stay in [1e-4, 1 - 1e-4] (finite logits;
+# a step of 0 would end every prefix through it whatever comes later).
+_ISOTONIC_CLIP = 1e-4
 # float32 σ saturates at 1 - 2^-24; clip so recovered logits stay finite.
 _EPS = 2.0**-24
 
@@ -104,21 +120,79 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return np.exp(-np.logaddexp(0.0, -x))  # overflow-free, accurate in both tails
 
 
-def apply_sts(logits, temperatures, biases=None) -> np.ndarray:
+def step_logits(z, edges, values) -> np.ndarray:
+    """The isotonic step map: ``values[j]`` for ``edges[j] <= z < edges[j+1]`` (the first
+    step below ``edges[0]``, the last beyond its edge). ``decode.plan_step`` applies the
+    same map in the jitted round."""
+    j = np.searchsorted(np.asarray(edges), np.asarray(z), side="right") - 1
+    return np.asarray(values)[np.clip(j, 0, len(edges) - 1)]
+
+
+def apply_sts(logits, temperatures, biases=None, knots=None) -> np.ndarray:
     """Calibrated confidences ``c_k = σ(z_k / T_k + b_k)`` for logits ``[N, γ]``
-    (``b = 0`` when ``biases`` is None: plain temperature scaling)."""
+    (``b = 0`` when ``biases`` is None: plain temperature scaling), or ``σ(step_k(z_k))``
+    at positions with isotonic ``knots`` (``STS.knots``: ``[γ, 2, J]``, NaN rows none)."""
     z = np.asarray(logits, np.float64)
     t = check_temperatures(temperatures, z.shape[-1])
     b = check_biases(biases, z.shape[-1])
-    return _sigmoid(z / t + b)
+    x = z / t + b
+    if knots is not None:
+        knots = np.asarray(knots, np.float64)
+        for k in range(z.shape[-1]):
+            if not np.isnan(knots[k, 0, 0]):
+                x[..., k] = step_logits(x[..., k], knots[k, 0], knots[k, 1])
+    return _sigmoid(x)
 
 
-def survival_from_logits(logits, temperatures=None, biases=None) -> np.ndarray:
-    """Prefix survival ``a_k = Π_{i≤k} σ(z_i / T_i + b_i)`` ``[N, γ]`` (T = 1, b = 0 when
-    None)."""
+def survival_from_logits(logits, temperatures=None, biases=None, knots=None) -> np.ndarray:
+    """Prefix survival ``a_k = Π_{i≤k} c_i`` ``[N, γ]`` with ``c`` from ``apply_sts``
+    (T = 1, b = 0, no steps when None)."""
     z = np.asarray(logits, np.float64)
     t = np.ones(z.shape[-1]) if temperatures is None else temperatures
-    return np.cumprod(apply_sts(z, t, biases), axis=-1)
+    return np.cumprod(apply_sts(z, t, biases, knots), axis=-1)
+
+
+def survival_from_sts(logits, sts: STS | None) -> np.ndarray:
+    """Prefix survival under a loaded calibration (None: raw)."""
+    if sts is None:
+        return survival_from_logits(logits)
+    return survival_from_logits(logits, sts.temperatures, sts.biases, sts.knots)
+
+
+def _pool_adjacent_violators(x, y, w) -> tuple[np.ndarray, np.ndarray]:
+    """Weighted least-squares non-decreasing fit of ``y`` on ``x``: ``(left edges, values)``
+    of its steps. Equal ``x`` are pooled first (one step cannot split them)."""
+    ux, inv = np.unique(x, return_inverse=True)
+    sw = np.bincount(inv, weights=w)
+    keep = sw > 0
+    ux, sy, sw = ux[keep], np.bincount(inv, weights=w * y)[keep], sw[keep]
+    edges, sums, weights = [], [], []
+    for xi, syi, swi in zip(ux, sy, sw):
+        edges.append(xi)
+        sums.append(syi)
+        weights.append(swi)
+        while len(sums) > 1 and sums[-2] / weights[-2] >= sums[-1] / weights[-1]:
+            s, sw_ = sums.pop(), weights.pop()
+            sums[-1] += s
+            weights[-1] += sw_
+            edges.pop()  # the pooled step starts at the earlier edge
+    edges, sums, weights = np.array(edges), np.array(sums), np.array(weights)
+    while edges.size > MAX_KNOTS:  # pool neighbouring pairs: the means stay non-decreasing
+        n = edges.size // 2 * 2
+        pair_s = sums[:n].reshape(-1, 2).sum(1)
+        pair_w = weights[:n].reshape(-1, 2).sum(1)
+        edges = np.r_[edges[:n:2], edges[n:]]
+        sums, weights = np.r_[pair_s, sums[n:]], np.r_[pair_w, weights[n:]]
+    return edges, sums / weights
+
+
+def _fit_isotonic_step(zk, pk, y) -> dict[str, list[float]]:
+    """Position k's step map (module docstring): PAV of ``y / a_{k−1}`` with weights
+    ``a_{k−1}²``, values clipped to ``[1e-4, 1 − 1e-4]`` and stored as logits."""
+    p = np.maximum(pk, 1e-12)
+    edges, c = _pool_adjacent_violators(zk, y / p, p * p)
+    c = np.clip(c, _ISOTONIC_CLIP, 1.0 - _ISOTONIC_CLIP)
+    return {"edges": edges.tolist(), "logits": (np.log(c) - np.log1p(-c)).tolist()}
 
 
 @dataclasses.dataclass
@@ -130,6 +204,8 @@ class STSResult:
     num_samples: list[int]  # observed labels per position
     biases: list[float] = dataclasses.field(default_factory=list)  # [γ]; zeros unless affine
     mode: str = "temperature"
+    # Isotonic mode: per position {"edges": [...], "logits": [...]} or None (not fitted).
+    knots: list | None = None
 
     def __post_init__(self):
         if not self.biases:
@@ -137,7 +213,11 @@ class STSResult:
 
     @property
     def sts(self) -> STS:
-        return STS(np.asarray(self.temperatures), np.asarray(self.biases))
+        return STS(
+            np.asarray(self.temperatures),
+            np.asarray(self.biases),
+            knots=check_knots(self.knots, len(self.temperatures)),
+        )
 
     def padded(self, gamma: int) -> STSResult:
         """The same fit extended to ``gamma`` positions; the extra ones (never verified in
@@ -153,6 +233,7 @@ class STSResult:
             self.num_samples + [0] * pad,
             self.biases + [0.0] * pad,
             self.mode,
+            None if self.knots is None else self.knots + [None] * pad,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -190,8 +271,8 @@ def fit_sts(
     fine_points: int = FINE_POINTS,
     mode: str = "temperature",
 ) -> STSResult:
-    """Fit per-position temperatures (and, with ``mode="affine"``, biases) left to right
-    (module docstring).
+    """Fit per-position temperatures (and, with ``mode="affine"``, biases; with
+    ``mode="isotonic"``, step maps) left to right (module docstring).
 
     ``logits``: raw confidence logits ``[N, γ]`` of a fixed-block run; ``accepted`` /
     ``verified``: ``[N]`` per-round counts. For each k the coarse grid (log-spaced
@@ -217,6 +298,7 @@ def fit_sts(
         raise ValueError("the STS grid needs >= 2 positive temperatures")
 
     temps, biases = np.ones(gamma), np.zeros(gamma)
+    knots: list | None = [None] * gamma if mode == "isotonic" else None
     prefix = np.ones(z.shape[0])  # a_{k-1} under the temperatures fixed so far
     raw_prefix = np.ones(z.shape[0])
     fitted, before, after, counts = [], [], [], []
@@ -236,6 +318,14 @@ def fit_sts(
         def objective(t, b=0.0, zk=zk, pk=pk, y=y):
             return metrics._ece_fast(pk * _sigmoid(zk / t + b), y, n_bins)
 
+        if mode == "isotonic":
+            knots[k] = _fit_isotonic_step(zk, pk, y)
+            step = _sigmoid(step_logits(z[:, k], knots[k]["edges"], knots[k]["logits"]))
+            fitted.append(True)
+            before.append(metrics._ece_fast(raw_prefix[m], y, n_bins))
+            after.append(metrics._ece_fast(pk * step[m], y, n_bins))
+            prefix = prefix * step
+            continue
         if mode == "temperature":
             t0 = _search(objective, grid)
             lo, hi = _neighbours(grid, t0)
@@ -255,18 +345,44 @@ def fit_sts(
         before.append(metrics._ece_fast(raw_prefix[m], y, n_bins))
         after.append(objective(t_best, b_best))
         prefix = prefix * _sigmoid(z[:, k] / t_best + b_best)
-    return STSResult(temps.tolist(), fitted, before, after, counts, biases.tolist(), mode)
+    return STSResult(temps.tolist(), fitted, before, after, counts, biases.tolist(), mode, knots)
 
 
-def calibration_report(logits, accepted, verified=None, temperatures=None, n_bins=20, biases=None):
-    """Per-position ECE/AUROC/Brier of ``a_k`` with the given temperatures and biases
-    (None: raw)."""
+def calibration_report(
+    logits, accepted, verified=None, temperatures=None, n_bins=20, biases=None, knots=None
+):
+    """Per-position ECE/AUROC/Brier of ``a_k`` with the given temperatures, biases and
+    step maps (None: raw)."""
     return metrics.position_calibration(
-        survival_from_logits(logits, temperatures, biases), accepted, verified, n_bins
+        survival_from_logits(logits, temperatures, biases, knots), accepted, verified, n_bins
     )
 
 
+def before_after_report(logits, accepted, verified, sts: STS, n_bins: int = 20) -> list[dict]:
+    """Per position: ECE (and its floor after), AUROC and Brier of the prefix survival
+    before (raw) and after ``sts``: the rows an STS file's ``heldout_metrics`` holds."""
+    before = calibration_report(logits, accepted, verified, None, n_bins)
+    after = calibration_report(
+        logits, accepted, verified, sts.temperatures, n_bins, sts.biases, sts.knots
+    )
+    return [
+        {
+            "position": b["position"],
+            "n": b["n"],
+            "ece_before": b["ece"],
+            "ece_after": a["ece"],
+            "ece_floor_after": a["ece_floor"],
+            "auroc_before": b["auroc"],
+            "auroc_after": a["auroc"],
+            "brier_before": b["brier"],
+            "brier_after": a["brier"],
+        }
+        for b, a in zip(before, after)
+    ]
+
+
 __all__ = [
+    "before_after_report",
     "STS",
     "STSResult",
     "STS_MODES",
@@ -282,6 +398,8 @@ __all__ = [
     "save_sts",
     "sts_data_path",
     "sts_path",
+    "step_logits",
     "survival_from_logits",
+    "survival_from_sts",
     "to_jsonable",
 ]

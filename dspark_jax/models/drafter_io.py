@@ -322,15 +322,73 @@ def _file_axes(fmt: int, name: str, ndim: int) -> tuple[int, ...]:
 
 # -- sts.json: the confidence head's calibration -------------------------------------
 class STS(NamedTuple):
-    """Fitted calibration of a drafter's confidence head, applied as ``σ(z / T + b)``."""
+    """Fitted calibration of a drafter's survival estimate, applied as ``σ(z / T + b)``,
+    or, at positions with isotonic ``knots``, as ``σ(step_k(z / T + b))`` (T = 1, b = 0
+    there; ``eval.calibration`` module docstring)."""
 
     temperatures: np.ndarray  # [γ], > 0
     biases: np.ndarray  # [γ]; all zero for DESIGN's temperature-only STS
     estimator: str = "confidence_head"  # which z it calibrates (SURVIVAL_ESTIMATORS)
+    # [γ, 2, J]: per position, the step map's left edges (in z units) and its calibrated
+    # logits, padded to J by repeating the last knot; NaN rows: no step map there. None:
+    # no position has one (temperature and affine STS).
+    knots: np.ndarray | None = None
 
     def first(self, n: int) -> STS:
         """The calibration of the first ``n`` positions (a run drafting fewer than γ)."""
-        return STS(np.asarray(self.temperatures)[:n], np.asarray(self.biases)[:n], self.estimator)
+        knots = None if self.knots is None else np.asarray(self.knots)[:n]
+        return STS(
+            np.asarray(self.temperatures)[:n], np.asarray(self.biases)[:n], self.estimator, knots
+        )
+
+
+# Most knots a step map may have (a fit with more pools neighbouring blocks): they are
+# constants of every compiled round, and PAV on ~10^4 rounds gives a few tens.
+MAX_KNOTS = 64
+
+
+def check_knots(knots, gamma: int) -> np.ndarray | None:
+    """``[γ, 2, J]`` float32 (NaN rows: no map) from a per-position list of
+    ``{"edges": [...], "logits": [...]}`` or None, or None when no position has a map.
+    Edges must increase strictly and logits never decrease (the map is monotone, so the
+    ranking of survivals across requests is kept up to ties)."""
+    if knots is None:
+        return None
+    if not isinstance(knots, list) or len(knots) != gamma:
+        raise ValueError(f"need {gamma} knot entries (one per position, or null), got {knots!r}")
+    rows = []
+    for k, entry in enumerate(knots):
+        if entry is None:
+            rows.append(None)
+            continue
+        if not isinstance(entry, dict) or set(entry) != {"edges", "logits"}:
+            raise ValueError(
+                f"knots of position {k + 1} must be {{'edges': [...], 'logits': [...]}}"
+            )
+        e = np.asarray(entry["edges"], np.float64).reshape(-1)
+        v = np.asarray(entry["logits"], np.float64).reshape(-1)
+        if e.size == 0 or e.shape != v.shape or e.size > MAX_KNOTS:
+            raise ValueError(
+                f"knots of position {k + 1}: need 1 to {MAX_KNOTS} edges and as many logits, "
+                f"got {e.size} and {v.size}"
+            )
+        if not (np.all(np.isfinite(e)) and np.all(np.isfinite(v))):
+            raise ValueError(f"knots of position {k + 1} must be finite")
+        if np.any(np.diff(e) <= 0) or np.any(np.diff(v) < 0):
+            raise ValueError(
+                f"knots of position {k + 1}: edges must increase and logits must not decrease"
+            )
+        rows.append((e, v))
+    if all(r is None for r in rows):
+        return None
+    j = max(r[0].size for r in rows if r is not None)
+    out = np.full((gamma, 2, j), np.nan, np.float32)
+    for k, r in enumerate(rows):
+        if r is not None:
+            n = r[0].size
+            out[k, 0, :n], out[k, 1, :n] = r
+            out[k, :, n:] = out[k, :, n - 1 : n]  # repeat the last knot
+    return out
 
 
 def check_temperatures(temperatures, gamma: int) -> np.ndarray:
@@ -408,6 +466,7 @@ def save_sts(
         "mode": result.mode,
         "temperatures": result.temperatures,
         "biases": result.biases,
+        "knots": getattr(result, "knots", None),
         "fit": result.to_dict(),
         "fit_metrics": fit_report,
         "heldout_metrics": heldout,
@@ -427,7 +486,7 @@ def load_sts(
     gamma: int | None = None,
     estimator: str = "confidence_head",
 ) -> STS | None:
-    """``STS(temperatures, biases, estimator)`` (each ``[γ]``) from the drafter's file for
+    """``STS(temperatures, biases, estimator, knots)`` from the drafter's file for
     ``estimator`` (``sts.json``, or ``sts_draft_probability.json``), or None when there is
     none. Files without ``biases`` (temperature-only STS) get zeros.
 
@@ -467,6 +526,7 @@ def load_sts(
             check_temperatures(temps, n).astype(np.float32),
             check_biases(biases, n).astype(np.float32),
             estimator,
+            check_knots(payload.get("knots"), n),
         )
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None

@@ -89,10 +89,12 @@ def traces_from_records(
     confidence_logits: np.ndarray | None = None,
     sts_temperatures: Sequence[float] | None = None,
     sts_biases: Sequence[float] | None = None,
+    sts_knots: np.ndarray | None = None,
 ) -> list[Trace]:
     """Split an acceptance run's flattened per-round records into per-prompt traces, in
     prompt order. Confidences are calibrated as the decode step does
-    (``σ(z / T_k + b_k)``, STS) before the cumulative product."""
+    (``σ(z / T_k + b_k)``, or an isotonic fit's steps: ``STS.knots``) before the cumulative
+    product."""
     prompt_index = np.asarray(prompt_index)
     accepted = np.asarray(accepted, np.int64)
     if prompt_index.shape != accepted.shape:
@@ -103,7 +105,9 @@ def traces_from_records(
         z = np.asarray(confidence_logits, np.float32)
         if z.shape != (len(accepted), gamma):
             raise ValueError(f"confidence_logits must be [{len(accepted)}, {gamma}], got {z.shape}")
-        survival = survival_from_logits(z, sts_temperatures, sts_biases).astype(np.float32)
+        survival = survival_from_logits(z, sts_temperatures, sts_biases, sts_knots).astype(
+            np.float32
+        )
     out = []
     for p in np.unique(prompt_index):
         rows = np.flatnonzero(prompt_index == p)  # records are in round order per prompt

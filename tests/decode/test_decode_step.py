@@ -601,6 +601,38 @@ def test_sts_calibration_applied_to_confidences(target):
         SpeculativeDecoder(model, params, drafter, dparams, cfg, sts_biases=np.zeros(g + 1))
 
 
+def test_isotonic_steps_applied_to_confidences(target):
+    """An isotonic fit's step maps (``STS.knots``) replace σ(z / T + b) where a position
+    has one, in the jitted round exactly as ``eval.calibration`` applies them offline."""
+    from dspark_jax.eval import calibration as offline
+    from dspark_jax.models.drafter_io import STS, check_knots
+
+    model, params = target
+    drafter, dparams = _drafter("dspark")
+    g = drafter.config.gamma
+    cfg = StepConfig(num_slots=2, max_len=32)
+    raw = SpeculativeDecoder(model, params, drafter, dparams, cfg)
+    state = _two_prompts_prefilled(raw, seed=0)
+    state, plan = raw.plan(state)
+    c_raw = np.asarray(plan.confidence, np.float64)
+    z = np.log(c_raw) - np.log1p(-c_raw)
+    # Three steps per position, edges among the observed logits; the last position none.
+    knots = [
+        {"edges": np.quantile(z[:, k], [0.0, 0.4, 0.8]).tolist() if k else [-50.0, 0.0, 50.0],
+         "logits": [-2.0, 0.5, 3.0]}
+        for k in range(g - 1)
+    ] + [None]  # fmt: skip
+    sts = STS(np.ones(g, np.float32), np.zeros(g, np.float32), "confidence_head",
+              check_knots(knots, g))  # fmt: skip
+    stepped = SpeculativeDecoder(model, params, drafter, dparams, cfg, sts=sts)
+    _, plan = stepped.plan(state)
+    want = offline.apply_sts(z, np.ones(g), None, sts.knots)
+    chex.assert_trees_all_close(
+        (plan.confidence, plan.survival), (want, np.cumprod(want, axis=1)), atol=1e-5, rtol=0
+    )
+    assert not np.allclose(want, c_raw, atol=1e-3)  # the steps did change something
+
+
 @pytest.mark.parametrize(
     "kind", ["dspark", "eagle3"] + [pytest.param(k, marks=_SLOW) for k in ("dflash", "mtp1")]
 )

@@ -215,3 +215,34 @@ def _keys(dec):
 
     keys = split_keys(jax.random.key(5), dec.gamma)
     return StepKeys(jnp.broadcast_to(keys[:, None], (dec.gamma, dec.config.num_slots)))
+
+
+class CalibratedLogitsTest(chex.TestCase):
+    """The round's calibration map (``plan_step.calibrated_logits``) traced under jit and
+    op by op gives the offline map of ``eval.calibration``: affine where a position has no
+    steps, the step's logit where it has (padded knots included)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_matches_the_offline_map(self):
+        from dspark_jax.decode.plan_step import calibrated_logits
+        from dspark_jax.eval import calibration as offline
+        from dspark_jax.models.drafter_io import check_knots
+
+        rng = np.random.default_rng(0)
+        z = rng.normal(0.0, 4.0, (64, 3)).astype(np.float32)
+        temps = np.array([1.0, 2.0, 1.0], np.float32)
+        biases = np.array([0.0, -0.5, 0.0], np.float32)
+        knots = check_knots(
+            [{"edges": [-1.0, 0.0, 2.5], "logits": [-3.0, 0.0, 4.0]}, None,
+             {"edges": [0.0], "logits": [1.5]}],
+            3,
+        )  # fmt: skip
+        fn = self.variant(lambda x: calibrated_logits(x, temps, biases, knots))
+        got = fn(jnp.asarray(z))
+        chex.assert_shape(got, z.shape)
+        want = offline.apply_sts(z, temps, biases, knots)
+        chex.assert_trees_all_close(jax.nn.sigmoid(got), want, atol=1e-6, rtol=0)
+        # Edges are left-closed: z equal to an edge takes that step.
+        on_edge = fn(jnp.array([[0.0, 0.0, 0.0]], jnp.float32))
+        chex.assert_trees_all_close(on_edge[0, 0], 0.0)
+        chex.assert_trees_all_close(on_edge[0, 2], 1.5)

@@ -2,6 +2,7 @@
 
 import json
 
+import chex
 import numpy as np
 import pytest
 
@@ -224,5 +225,97 @@ def test_fit_sts_bad_input():
         cal.fit_sts(np.zeros((2, 3)), [0, 1, 2])
     with pytest.raises(ValueError, match="temperatures"):
         cal.apply_sts(np.zeros((2, 3)), [1.0, 1.0])
+    with pytest.raises(ValueError, match="allowed: \\['temperature', 'affine', 'isotonic'\\]"):
+        cal.fit_sts(np.zeros((2, 3)), [0, 1], mode="platt")
     with pytest.raises(ValueError, match="unknown STS mode 'platt'"):
         cal.fit_sts(np.zeros((2, 3)), [0, 1], mode="platt")
+
+
+def _stepped(n, seed):
+    """First-draft acceptance that jumps from 0.3 to 0.9 where the logit crosses 0 (no
+    σ(z / T + b) follows a jump), later drafts σ(z) like a calibrated head."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(0.0, 3.0, (n, GAMMA))
+    p = 1 / (1 + np.exp(-z))
+    p[:, 0] = np.where(z[:, 0] < 0, 0.3, 0.9)
+    ok = rng.random((n, GAMMA)) < p
+    return z, np.where(ok.all(1), GAMMA, np.argmin(ok, axis=1))
+
+
+def test_isotonic_sts_follows_a_step_affine_cannot():
+    z, acc = _stepped(8000, seed=11)
+    z2, acc2 = _stepped(8000, seed=12)
+    iso = cal.fit_sts(z, acc, mode="isotonic")
+    aff = cal.fit_sts(z, acc, mode="affine")
+    sts = iso.sts
+    held_iso = np.array(
+        [p["ece"] for p in cal.calibration_report(z2, acc2, None, sts.temperatures,
+                                                  biases=sts.biases, knots=sts.knots)]
+    )  # fmt: skip
+    held_aff = np.array(
+        [p["ece"] for p in cal.calibration_report(z2, acc2, None, aff.temperatures,
+                                                  biases=aff.biases)]
+    )  # fmt: skip
+    assert held_iso[0] < 0.02 < held_aff[0], (held_iso, held_aff)
+    # The first step map: non-decreasing, about logit(0.3) below 0 and logit(0.9) above.
+    edges, logits = (np.array(iso.knots[0][key]) for key in ("edges", "logits"))
+    assert np.all(np.diff(edges) > 0) and np.all(np.diff(logits) >= 0)
+    below = cal.step_logits(np.array([-2.0, -0.5]), edges, logits)
+    above = cal.step_logits(np.array([0.5, 2.0]), edges, logits)
+    np.testing.assert_allclose(1 / (1 + np.exp(-below)), 0.3, atol=0.06)
+    np.testing.assert_allclose(1 / (1 + np.exp(-above)), 0.9, atol=0.06)
+    assert iso.temperatures == [1.0] * GAMMA and iso.biases == [0.0] * GAMMA
+
+
+def test_isotonic_first_position_matches_observed_acceptance_per_step():
+    """At k = 1 (a_0 = 1) pool-adjacent-violators makes each step's mean survival the
+    observed acceptance of the rounds on it (ties at one logit never split)."""
+    z, acc = _stepped(3000, seed=13)
+    z = np.round(z, 1)  # many rounds share a logit
+    iso = cal.fit_sts(z, acc, mode="isotonic")
+    edges, logits = np.array(iso.knots[0]["edges"]), np.array(iso.knots[0]["logits"])
+    step = np.searchsorted(edges, z[:, 0], side="right") - 1
+    for j in range(edges.size):
+        on = step == j
+        observed = np.clip(np.mean(acc[on] >= 1), 1e-4, 1 - 1e-4)
+        assert 1 / (1 + np.exp(-logits[j])) == pytest.approx(observed, abs=1e-9)
+
+
+def test_isotonic_sts_round_trip_and_padding(tmp_path):
+    z, acc = _stepped(3000, seed=14)
+    res = cal.fit_sts(z, acc, mode="isotonic")
+    cal.save_sts(tmp_path, res, estimator="draft_probability")
+    payload = json.loads((tmp_path / "sts_draft_probability.json").read_text())
+    assert payload["mode"] == "isotonic" and len(payload["knots"]) == GAMMA
+    sts = cal.load_sts(tmp_path, GAMMA, "draft_probability")
+    chex.assert_shape(sts.knots, (GAMMA, 2, max(len(k["edges"]) for k in res.knots)))
+    np.testing.assert_allclose(
+        cal.survival_from_sts(z, sts), cal.survival_from_sts(z, res.sts), rtol=1e-6
+    )
+    padded = res.padded(GAMMA + 2)
+    assert padded.knots[-2:] == [None, None]
+    knots = padded.sts.knots
+    assert np.isnan(knots[-1]).all() and not np.isnan(knots[0]).any()
+    # Positions without a map fall back to σ(z / T + b) with T = 1, b = 0.
+    zz = np.concatenate([z, z[:, :2]], axis=1)
+    c = cal.apply_sts(zz, np.ones(GAMMA + 2), None, knots)
+    np.testing.assert_allclose(c[:, -2:], 1 / (1 + np.exp(-z[:, :2])), rtol=1e-12)
+    assert sts.first(2).knots.shape[0] == 2
+
+
+@pytest.mark.parametrize(
+    "knots, match",
+    [
+        ([{"edges": [0.0, 1.0], "logits": [1.0, 0.0]}, None], "must not decrease"),
+        ([{"edges": [1.0, 0.0], "logits": [0.0, 1.0]}, None], "edges must increase"),
+        ([{"edges": [0.0], "logits": [0.0, 1.0]}, None], "as many logits"),
+        ([{"edges": [0.0], "logits": [0.0]}], "need 2 knot entries"),
+        ([{"edges": [0.0]}, None], "must be"),
+        ([{"edges": [0.0], "logits": [float("inf")]}, None], "finite"),
+    ],
+)
+def test_load_sts_bad_knots(tmp_path, knots, match):
+    payload = {"temperatures": [1.0, 1.0], "biases": [0.0, 0.0], "knots": knots}
+    (tmp_path / "sts.json").write_text(json.dumps(payload))
+    with pytest.raises(ValueError, match=match):
+        cal.load_sts(tmp_path)

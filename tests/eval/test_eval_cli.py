@@ -192,7 +192,7 @@ def cli_run(workspace, tmp_path_factory):
     with contextlib.redirect_stderr(few):
         few_rc = main([*dp_argv, "--min-fit-rounds", "100000"])
     few_written = (dflash / "sts_draft_probability.json").exists()
-    dp_rc = main([*dp_argv, "--min-fit-rounds", "0", "--force"])
+    dp_rc = main([*dp_argv, "--min-fit-rounds", "0", "--force", "--mode", "isotonic"])
     results = out_dir / "results.json"
     acc_rc = main(
         [
@@ -253,11 +253,16 @@ def test_cli_calibrates_the_draft_probability_of_a_headless_drafter(cli_run):
     assert payload["estimator"] == "draft_probability"
     assert payload["data"]["survival_estimator"] == "draft_probability"
     assert len(payload["temperatures"]) == GAMMA
+    # An isotonic fit (--mode isotonic): a step map per position that had labels.
+    assert payload["mode"] == "isotonic" and len(payload["knots"]) == GAMMA
+    assert payload["knots"][0]["edges"] and payload["temperatures"] == [1.0] * GAMMA
     assert not (cli_run["dflash"] / "sts.json").exists()
     results = json.loads(cli_run["results"].read_text())["results"]
     dflash = [e for e in results if e["drafter"] == "dflash"]
     assert dflash and all(e["survival_estimator"] == "draft_probability" for e in dflash)
     assert all(e["sts_applied_offline"] and e["calibration"]["sts"] for e in dflash)
+    meta = json.loads(cli_run["results"].read_text())["config"]["drafters"]
+    assert next(d for d in meta if d["label"] == "dflash")["sts_knots"] is not None
 
 
 def test_cli_calibrate_writes_sts(cli_run):
